@@ -1,0 +1,312 @@
+//! From a decoded proposal to an operation envelope: tool lookup, agent allowlist,
+//! intent and entity checks, canonical args, fingerprint and idempotency key.
+//!
+//! This is the whole business identity of an operation, computed without I/O. The
+//! ledger then decides whether it is new ([`crate::envelope::Envelope`]) or a duplicate.
+
+use serde_json::Value;
+
+use crate::canonical::{ArgError, canonicalize_args};
+use crate::key::{IdempotencyKey, KeyError, KeyInput, args_fingerprint, derive_key};
+use crate::proposal::{Entity, Proposal};
+use crate::registry::{Approval, KeyStrategy, Registry, SideEffectClass};
+use crate::state::{Status, initial_status};
+
+/// Where a proposal came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A Kafka record.
+    Kafka {
+        /// Topic.
+        topic: String,
+        /// Partition.
+        partition: i32,
+        /// Offset.
+        offset: i64,
+    },
+    /// `POST /v1/proposals`.
+    Http,
+}
+
+/// Transport context carried beside the proposal (Kafka headers or HTTP headers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// Where it came from.
+    pub source: Source,
+    /// W3C traceparent, carried into spans and results.
+    pub traceparent: Option<String>,
+}
+
+/// An accepted proposal, ready for the ledger's ingest transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    /// The proposal's event id (inbox key).
+    pub event_id: String,
+    /// Transport context.
+    pub delivery: Delivery,
+    /// Agent.
+    pub agent_id: Option<String>,
+    /// Workflow.
+    pub workflow_id: Option<String>,
+    /// Run.
+    pub run_id: Option<String>,
+    /// Step.
+    pub step: Option<u64>,
+    /// Tool name.
+    pub tool: String,
+    /// Intent label as proposed.
+    pub intent: Option<String>,
+    /// Entity.
+    pub entity: Entity,
+    /// `{namespace}:{entity_type}:{entity_id}`: the unit of serialization.
+    pub entity_key: String,
+    /// Canonical args.
+    pub canonical_args: Value,
+    /// sha256 of the canonical args.
+    pub args_fingerprint: String,
+    /// The key and its components.
+    pub key: IdempotencyKey,
+    /// Key strategy (decides how a differing duplicate is treated).
+    pub key_strategy: KeyStrategy,
+    /// Side-effect class.
+    pub side_effect_class: SideEffectClass,
+    /// The state a new operation starts in.
+    pub initial_status: Status,
+}
+
+/// Why a proposal is refused before it becomes an operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}: {message}")]
+pub struct Rejection {
+    /// Machine-readable reason (`unknown_tool`, `invalid_args`, ...).
+    pub reason: &'static str,
+    /// Human-readable detail naming the field or argument.
+    pub message: String,
+}
+
+/// A proposal refused at ingest; it still gets an inbox row and a result message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RejectedProposal {
+    /// Event id (best effort from the raw message; required for an inbox row).
+    pub event_id: String,
+    /// Transport context.
+    pub delivery: Delivery,
+    /// Namespace, when known.
+    pub namespace: Option<String>,
+    /// Workflow id, when known.
+    pub workflow_id: Option<String>,
+    /// Step, when known.
+    pub step: Option<u64>,
+    /// Tool, when known.
+    pub tool: Option<String>,
+    /// Entity, when known.
+    pub entity: Option<Entity>,
+    /// Why.
+    pub rejection: Rejection,
+}
+
+impl RejectedProposal {
+    /// A rejection of a decoded proposal.
+    pub fn of(proposal: &Proposal, delivery: Delivery, rejection: Rejection) -> Self {
+        Self {
+            event_id: proposal.event_id.clone(),
+            delivery,
+            namespace: Some(proposal.namespace.clone()),
+            workflow_id: proposal.workflow_id.clone(),
+            step: proposal.step,
+            tool: Some(proposal.tool.clone()),
+            entity: Some(proposal.entity.clone()),
+            rejection,
+        }
+    }
+
+    /// The Kafka key its result is published under.
+    pub fn kafka_key(&self) -> String {
+        self.entity
+            .as_ref()
+            .map(|e| format!("{}:{}", e.kind, e.id))
+            .unwrap_or_else(|| self.event_id.clone())
+    }
+}
+
+/// One item of an ingest batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IngestItem {
+    /// A valid proposal.
+    Accepted(Box<Envelope>),
+    /// A refused proposal.
+    Rejected(Box<RejectedProposal>),
+}
+
+impl IngestItem {
+    /// The proposal's event id.
+    pub fn event_id(&self) -> &str {
+        match self {
+            Self::Accepted(e) => &e.event_id,
+            Self::Rejected(r) => &r.event_id,
+        }
+    }
+
+    /// Builds the item for a decoded proposal: an envelope, or a rejection.
+    pub fn from_proposal(registry: &Registry, proposal: &Proposal, delivery: Delivery) -> Self {
+        match prepare(registry, proposal, delivery.clone()) {
+            Ok(envelope) => Self::Accepted(Box::new(envelope)),
+            Err(rejection) => Self::Rejected(Box::new(RejectedProposal::of(
+                proposal, delivery, rejection,
+            ))),
+        }
+    }
+}
+
+/// The entity key: `{namespace}:{entity_type}:{entity_id}`.
+pub fn entity_key(namespace: &str, entity: &Entity) -> String {
+    format!("{namespace}:{}:{}", entity.kind, entity.id)
+}
+
+/// Validates a proposal against the registry and computes its identity.
+pub fn prepare(
+    registry: &Registry,
+    proposal: &Proposal,
+    delivery: Delivery,
+) -> Result<Envelope, Rejection> {
+    let reject = |reason, message: String| Rejection { reason, message };
+    let tool = registry.tool(&proposal.tool).ok_or_else(|| {
+        reject(
+            "unknown_tool",
+            format!("tool `{}` is not registered", proposal.tool),
+        )
+    })?;
+    registry
+        .allows(proposal.agent_id.as_deref(), &tool.name)
+        .map_err(|reason| {
+            reject(
+                reason,
+                format!(
+                    "agent `{}` may not propose tool `{}`",
+                    proposal.agent_id.as_deref().unwrap_or("(none)"),
+                    tool.name
+                ),
+            )
+        })?;
+    if !tool.intents.is_empty() {
+        let intent = proposal.intent.as_deref().unwrap_or_default();
+        if !tool.intents.iter().any(|i| i == intent) {
+            return Err(reject(
+                "unknown_intent",
+                format!(
+                    "intent `{intent}` is not declared by tool `{}` (declared: {})",
+                    tool.name,
+                    tool.intents.join(", ")
+                ),
+            ));
+        }
+    }
+    if let Some(kind) = &tool.entity {
+        if *kind != proposal.entity.kind {
+            return Err(reject(
+                "entity_type_mismatch",
+                format!(
+                    "tool `{}` acts on `{kind}`, not `{}`",
+                    tool.name, proposal.entity.kind
+                ),
+            ));
+        }
+    }
+    let canonical_args = canonicalize_args(tool, &proposal.args).map_err(|e: ArgError| {
+        reject("invalid_args", e.to_string())
+    })?;
+    let key = derive_key(&KeyInput {
+        namespace: &proposal.namespace,
+        tool,
+        intent: proposal.intent.as_deref(),
+        entity: &proposal.entity,
+        workflow_id: proposal.workflow_id.as_deref(),
+        step: proposal.step,
+        canonical_args: &canonical_args,
+    })
+    .map_err(|e: KeyError| reject("invalid_args", e.to_string()))?;
+    Ok(Envelope {
+        event_id: proposal.event_id.clone(),
+        delivery,
+        agent_id: proposal.agent_id.clone(),
+        workflow_id: proposal.workflow_id.clone(),
+        run_id: proposal.run_id.clone(),
+        step: proposal.step,
+        tool: tool.name.clone(),
+        intent: proposal.intent.clone(),
+        entity: proposal.entity.clone(),
+        entity_key: entity_key(&proposal.namespace, &proposal.entity),
+        args_fingerprint: args_fingerprint(&canonical_args),
+        canonical_args,
+        key,
+        key_strategy: tool.key_strategy,
+        side_effect_class: tool.side_effect_class,
+        initial_status: initial_status(tool.approval == Approval::Required),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proposal::Limits;
+    use serde_json::json;
+
+    const TOOLS: &str = r#"
+[[tools]]
+name = "capture_payment"
+side_effect_class = "irreversible"
+entity = "order"
+intents = ["collect_payment_for_order"]
+approval = "required"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+"#;
+
+    fn proposal(patch: Value) -> Proposal {
+        let mut base = json!({"event_id": "evt-1", "namespace": "acme", "tool": "capture_payment",
+            "intent": "collect_payment_for_order", "entity": {"type": "order", "id": "order_123"},
+            "args": {"amount": "49.00", "currency": "usd"}});
+        for (k, v) in patch.as_object().expect("object") {
+            base[k] = v.clone();
+        }
+        Proposal::from_value(base, &Limits::default()).expect("valid proposal")
+    }
+
+    fn delivery() -> Delivery {
+        Delivery {
+            source: Source::Http,
+            traceparent: None,
+        }
+    }
+
+    #[test]
+    fn accepted_envelope() {
+        let registry = Registry::from_toml(TOOLS).expect("valid");
+        let env = prepare(&registry, &proposal(json!({})), delivery()).expect("accepted");
+        assert_eq!(env.key.key, "payment:order_123:capture:4900:USD:v1");
+        assert_eq!(env.entity_key, "acme:order:order_123");
+        assert_eq!(env.initial_status, Status::AwaitingApproval);
+        assert_eq!(env.args_fingerprint.len(), 64);
+    }
+
+    #[test]
+    fn rejections_carry_a_reason_and_the_field() {
+        let registry = Registry::from_toml(TOOLS).expect("valid");
+        let cases = [
+            (json!({"tool": "refund"}), "unknown_tool", "refund"),
+            (json!({"intent": "make_money"}), "unknown_intent", "make_money"),
+            (json!({"entity": {"type": "user", "id": "u"}}), "entity_type_mismatch", "user"),
+            (json!({"args": {"amount": "4.999", "currency": "usd"}}), "invalid_args", "amount"),
+            (json!({"args": {"currency": "usd"}}), "invalid_args", "amount"),
+        ];
+        for (patch, reason, fragment) in cases {
+            let err = prepare(&registry, &proposal(patch.clone()), delivery()).expect_err("rejected");
+            assert_eq!(err.reason, reason, "{patch}");
+            assert!(err.message.contains(fragment), "{patch}: {}", err.message);
+        }
+        let item = IngestItem::from_proposal(&registry, &proposal(json!({"tool": "x"})), delivery());
+        assert!(matches!(item, IngestItem::Rejected(r) if r.rejection.reason == "unknown_tool"));
+    }
+}
