@@ -223,16 +223,16 @@ pub fn format_utc(at: OffsetDateTime) -> String {
 /// two-decimal ones. Unknown codes are refused rather than guessed.
 pub fn minor_unit_exponent(code: &str) -> Option<u32> {
     const ZERO: &[&str] = &[
-        "BIF", "CLP", "DJF", "GNF", "ISK", "JPY", "KMF", "KRW", "PYG", "RWF", "UGX", "UYI",
-        "VND", "VUV", "XAF", "XOF", "XPF",
+        "BIF", "CLP", "DJF", "GNF", "ISK", "JPY", "KMF", "KRW", "PYG", "RWF", "UGX", "UYI", "VND",
+        "VUV", "XAF", "XOF", "XPF",
     ];
     const THREE: &[&str] = &["BHD", "IQD", "JOD", "KWD", "LYD", "OMR", "TND"];
     const FOUR: &[&str] = &["CLF", "UYW"];
     const TWO: &[&str] = &[
-        "AED", "ARS", "AUD", "BGN", "BRL", "CAD", "CHF", "CNY", "COP", "CZK", "DKK", "EGP",
-        "EUR", "GBP", "HKD", "HUF", "IDR", "ILS", "INR", "KES", "MAD", "MXN", "MYR", "NGN",
-        "NOK", "NZD", "PEN", "PHP", "PKR", "PLN", "QAR", "RON", "RSD", "RUB", "SAR", "SEK",
-        "SGD", "THB", "TRY", "TWD", "UAH", "USD", "ZAR",
+        "AED", "ARS", "AUD", "BGN", "BRL", "CAD", "CHF", "CNY", "COP", "CZK", "DKK", "EGP", "EUR",
+        "GBP", "HKD", "HUF", "IDR", "ILS", "INR", "KES", "MAD", "MXN", "MYR", "NGN", "NOK", "NZD",
+        "PEN", "PHP", "PKR", "PLN", "QAR", "RON", "RSD", "RUB", "SAR", "SEK", "SGD", "THB", "TRY",
+        "TWD", "UAH", "USD", "ZAR",
     ];
     let code = code.trim().to_ascii_uppercase();
     let code = code.as_str();
@@ -373,13 +373,22 @@ mod tests {
     fn structural_form_sorts_keys_and_normalizes_numbers() {
         let v: Value = serde_json::from_str(r#"{ "b": [1.50, {"z": 1, "a": 2e0}], "a": "x\"y" }"#)
             .expect("json");
-        assert_eq!(canonical_json(&v), r#"{"a":"x\"y","b":[1.5,{"a":2,"z":1}]}"#);
+        assert_eq!(
+            canonical_json(&v),
+            r#"{"a":"x\"y","b":[1.5,{"a":2,"z":1}]}"#
+        );
     }
 
     #[test]
     fn money_spellings_agree() {
         let t = tool("amount = \"money_minor\"\ncurrency = \"upper\"", "");
-        for amount in [json!("49.00"), json!("49"), json!(49), json!(49.0), json!(" 49.0 ")] {
+        for amount in [
+            json!("49.00"),
+            json!("49"),
+            json!(49),
+            json!(49.0),
+            json!(" 49.0 "),
+        ] {
             assert_eq!(
                 canon(&t, json!({"amount": amount, "currency": "usd"})).expect("valid"),
                 r#"{"amount":4900,"currency":"USD"}"#,
@@ -392,13 +401,32 @@ mod tests {
     fn money_follows_the_currency_minor_unit() {
         let t = tool("amount = \"money_minor\"", "");
         let c = |amount: Value, cur: &str| canon(&t, json!({"amount": amount, "currency": cur}));
-        assert_eq!(c(json!("500"), "JPY").expect("ok"), r#"{"amount":500,"currency":"JPY"}"#);
-        assert_eq!(c(json!("1.234"), "KWD").expect("ok"), r#"{"amount":1234,"currency":"KWD"}"#);
-        assert!(matches!(c(json!("5.5"), "JPY"), Err(ArgError::Invalid { arg, .. }) if arg == "amount"));
-        assert!(matches!(c(json!("49.001"), "usd"), Err(ArgError::Invalid { .. })));
-        assert!(matches!(c(json!("1"), "XYZ"), Err(ArgError::Invalid { message, .. }) if message.contains("unknown currency")));
-        assert!(matches!(c(json!("$49"), "USD"), Err(ArgError::Invalid { .. })));
-        assert!(matches!(c(json!(true), "USD"), Err(ArgError::Invalid { .. })));
+        assert_eq!(
+            c(json!("500"), "JPY").expect("ok"),
+            r#"{"amount":500,"currency":"JPY"}"#
+        );
+        assert_eq!(
+            c(json!("1.234"), "KWD").expect("ok"),
+            r#"{"amount":1234,"currency":"KWD"}"#
+        );
+        assert!(
+            matches!(c(json!("5.5"), "JPY"), Err(ArgError::Invalid { arg, .. }) if arg == "amount")
+        );
+        assert!(matches!(
+            c(json!("49.001"), "usd"),
+            Err(ArgError::Invalid { .. })
+        ));
+        assert!(
+            matches!(c(json!("1"), "XYZ"), Err(ArgError::Invalid { message, .. }) if message.contains("unknown currency"))
+        );
+        assert!(matches!(
+            c(json!("$49"), "USD"),
+            Err(ArgError::Invalid { .. })
+        ));
+        assert!(matches!(
+            c(json!(true), "USD"),
+            Err(ArgError::Invalid { .. })
+        ));
         let no_currency = canon(&t, json!({"amount": "12.3"})).expect("ok");
         assert_eq!(no_currency, r#"{"amount":1230}"#);
     }
@@ -417,13 +445,19 @@ mod tests {
         for bad in ["no-at-sign", "a@b@c", "@x", "a b@c"] {
             assert!(canon(&t, json!({"email": bad})).is_err(), "{bad}");
         }
-        assert!(matches!(canon(&t, json!({"code": 5})), Err(ArgError::Invalid { arg, .. }) if arg == "code"));
+        assert!(
+            matches!(canon(&t, json!({"code": 5})), Err(ArgError::Invalid { arg, .. }) if arg == "code")
+        );
     }
 
     #[test]
     fn timestamps_become_utc() {
         let t = tool("at = \"timestamp\"", "");
-        for input in [json!("2026-11-29T10:00:00+02:00"), json!("2026-11-29T08:00:00.000Z"), json!(1_795_939_200)] {
+        for input in [
+            json!("2026-11-29T10:00:00+02:00"),
+            json!("2026-11-29T08:00:00.000Z"),
+            json!(1_795_939_200),
+        ] {
             assert_eq!(
                 canon(&t, json!({"at": input})).expect("valid"),
                 r#"{"at":"2026-11-29T08:00:00Z"}"#,
@@ -447,22 +481,30 @@ mod tests {
             canon(&t, json!({"amount": 1})).expect("valid"),
             r#"{"amount":1,"currency":"EUR"}"#
         );
-        assert_eq!(canon(&t, json!({"currency": "usd"})), Err(ArgError::Missing("amount".into())));
+        assert_eq!(
+            canon(&t, json!({"currency": "usd"})),
+            Err(ArgError::Missing("amount".into()))
+        );
         assert_eq!(
             canon(&t, json!({"amount": 1, "memo": "x"})),
             Err(ArgError::Unknown("memo".into()))
         );
         let keep = tool("currency = \"upper\"", "");
-        assert_eq!(canon(&keep, json!({"memo": "x"})).expect("kept"), r#"{"memo":"x"}"#);
+        assert_eq!(
+            canon(&keep, json!({"memo": "x"})).expect("kept"),
+            r#"{"memo":"x"}"#
+        );
     }
 
     #[test]
     fn inexact_numbers_are_rejected_not_rounded() {
         let t = tool("x = \"as_is\"", "");
-        let v: Value = serde_json::from_str(r#"{"x": 1e999}"#).expect("arbitrary precision keeps it");
+        let v: Value =
+            serde_json::from_str(r#"{"x": 1e999}"#).expect("arbitrary precision keeps it");
         let err = canonicalize_args(&t, v.as_object().expect("object")).expect_err("out of range");
         assert!(matches!(err, ArgError::Invalid { arg, .. } if arg == "x"));
-        let v: Value = serde_json::from_str(r#"{"x": 0.1000000000000000055511151231257827}"#).expect("json");
+        let v: Value =
+            serde_json::from_str(r#"{"x": 0.1000000000000000055511151231257827}"#).expect("json");
         assert_eq!(
             canonical_json(&canonicalize_args(&t, v.as_object().expect("object")).expect("exact")),
             r#"{"x":0.1000000000000000055511151231257827}"#
@@ -543,4 +585,3 @@ mod tests {
         }
     }
 }
-

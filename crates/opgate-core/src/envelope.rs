@@ -212,9 +212,8 @@ pub fn prepare(
             ));
         }
     }
-    let canonical_args = canonicalize_args(tool, &proposal.args).map_err(|e: ArgError| {
-        reject("invalid_args", e.to_string())
-    })?;
+    let canonical_args = canonicalize_args(tool, &proposal.args)
+        .map_err(|e: ArgError| reject("invalid_args", e.to_string()))?;
     let key = derive_key(&KeyInput {
         namespace: &proposal.namespace,
         tool,
@@ -296,17 +295,35 @@ currency = "upper"
         let registry = Registry::from_toml(TOOLS).expect("valid");
         let cases = [
             (json!({"tool": "refund"}), "unknown_tool", "refund"),
-            (json!({"intent": "make_money"}), "unknown_intent", "make_money"),
-            (json!({"entity": {"type": "user", "id": "u"}}), "entity_type_mismatch", "user"),
-            (json!({"args": {"amount": "4.999", "currency": "usd"}}), "invalid_args", "amount"),
-            (json!({"args": {"currency": "usd"}}), "invalid_args", "amount"),
+            (
+                json!({"intent": "make_money"}),
+                "unknown_intent",
+                "make_money",
+            ),
+            (
+                json!({"entity": {"type": "user", "id": "u"}}),
+                "entity_type_mismatch",
+                "user",
+            ),
+            (
+                json!({"args": {"amount": "4.999", "currency": "usd"}}),
+                "invalid_args",
+                "amount",
+            ),
+            (
+                json!({"args": {"currency": "usd"}}),
+                "invalid_args",
+                "amount",
+            ),
         ];
         for (patch, reason, fragment) in cases {
-            let err = prepare(&registry, &proposal(patch.clone()), delivery()).expect_err("rejected");
+            let err =
+                prepare(&registry, &proposal(patch.clone()), delivery()).expect_err("rejected");
             assert_eq!(err.reason, reason, "{patch}");
             assert!(err.message.contains(fragment), "{patch}: {}", err.message);
         }
-        let item = IngestItem::from_proposal(&registry, &proposal(json!({"tool": "x"})), delivery());
+        let item =
+            IngestItem::from_proposal(&registry, &proposal(json!({"tool": "x"})), delivery());
         assert!(matches!(item, IngestItem::Rejected(r) if r.rejection.reason == "unknown_tool"));
     }
 }

@@ -263,7 +263,12 @@ key_version = 2
             "send_email:u_1:f4b1beb91170f46300a90686e5be65ba7077bce3c62380191c0d27604e40a571:v1"
         );
 
-        let k = key("create_ticket", None, ("account", "acct_9"), json!({"title": "x"}));
+        let k = key(
+            "create_ticket",
+            None,
+            ("account", "acct_9"),
+            json!({"title": "x"}),
+        );
         assert_eq!(k.key, "create_ticket:wf:wf-1:step:3:v2");
     }
 
@@ -300,12 +305,16 @@ email = "email"
         fn derive_v(version: u32, tool: &str, intent: &str, entity: &str, args: &Value) -> String {
             let registry = registry(version);
             let tool = registry.tool(tool).expect("declared");
-            let canonical = canonicalize_args(tool, args.as_object().expect("object")).expect("valid");
+            let canonical =
+                canonicalize_args(tool, args.as_object().expect("object")).expect("valid");
             derive_key(&KeyInput {
                 namespace: "ns",
                 tool,
                 intent: Some(intent),
-                entity: &Entity { kind: "order".into(), id: entity.into() },
+                entity: &Entity {
+                    kind: "order".into(),
+                    id: entity.into(),
+                },
                 workflow_id: None,
                 step: None,
                 canonical_args: &canonical,
@@ -319,7 +328,13 @@ email = "email"
         }
 
         /// Builds an args object from JSON text with the fields in the given order.
-        fn args_text(order: &[usize], amount: &str, currency: &str, email: &str, note: &str) -> Value {
+        fn args_text(
+            order: &[usize],
+            amount: &str,
+            currency: &str,
+            email: &str,
+            note: &str,
+        ) -> Value {
             let fields = [
                 format!("\"amount\": {amount}"),
                 format!("\"currency\": \"{currency}\""),
@@ -338,7 +353,11 @@ email = "email"
                 format!("{major}.{minor:02}"),
                 format!("{major}.{minor:02}0"),
                 format!("\"{major}.{minor:02}00\""),
-                if minor == 0 { format!("{major}") } else { format!("{}e-2", cents) },
+                if minor == 0 {
+                    format!("{major}")
+                } else {
+                    format!("{}e-2", cents)
+                },
             ]
         }
 
@@ -385,4 +404,3 @@ email = "email"
         }
     }
 }
-

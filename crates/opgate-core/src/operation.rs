@@ -65,6 +65,10 @@ pub struct Operation {
     pub status: Status,
     /// Attempts made.
     pub attempt_count: u32,
+    /// When the first attempt started (the retry budget's `max_elapsed` counts from it).
+    pub first_attempt_at: Option<OffsetDateTime>,
+    /// Since when the outcome has been unknown (cleared when resolved).
+    pub unknown_since: Option<OffsetDateTime>,
     /// When the next attempt (or lookup) may run.
     pub next_attempt_at: Option<OffsetDateTime>,
     /// Current lease holder.
@@ -202,7 +206,13 @@ pub fn safe_user_message(status: Status) -> &'static str {
 
 impl ResultMessage {
     /// The result for an operation's current state, answering `event_id`.
-    pub fn for_operation(op: &Operation, event_id: &str, dedupe: Dedupe, seq: i64, at: OffsetDateTime) -> Self {
+    pub fn for_operation(
+        op: &Operation,
+        event_id: &str,
+        dedupe: Dedupe,
+        seq: i64,
+        at: OffsetDateTime,
+    ) -> Self {
         Self {
             operation_id: Some(op.operation_id),
             event_id: event_id.to_owned(),

@@ -94,7 +94,9 @@ pub fn classify(outcome: &AdapterOutcome, contract: Contract) -> Verdict {
     // May the call be repeated although it may have taken effect?
     let repeatable = contract.class == SideEffectClass::Read || contract.resend_is_safe;
     match outcome {
-        AdapterOutcome::Committed { acknowledged: false } => Verdict::Complete,
+        AdapterOutcome::Committed {
+            acknowledged: false,
+        } => Verdict::Complete,
         AdapterOutcome::Committed { acknowledged: true } => Verdict::Acknowledge,
         AdapterOutcome::Rejected { .. } => Verdict::FailPermanent,
         AdapterOutcome::NotSent => Verdict::Retry { floor: None },
@@ -182,11 +184,15 @@ mod tests {
     fn classification_table() {
         let outcomes = [
             AdapterOutcome::NotSent,
-            AdapterOutcome::Throttled { retry_after: Some(Duration::from_secs(3)) },
+            AdapterOutcome::Throttled {
+                retry_after: Some(Duration::from_secs(3)),
+            },
             AdapterOutcome::SentNoAnswer,
             AdapterOutcome::Rejected { status: Some(422) },
             AdapterOutcome::ServerError { status: 500 },
-            AdapterOutcome::Committed { acknowledged: false },
+            AdapterOutcome::Committed {
+                acknowledged: false,
+            },
             AdapterOutcome::Committed { acknowledged: true },
             AdapterOutcome::Malformed,
         ];
@@ -198,12 +204,20 @@ mod tests {
                     for o in &outcomes {
                         let expected = match o {
                             AdapterOutcome::NotSent => Verdict::Retry { floor: None },
-                            AdapterOutcome::Throttled { .. } => Verdict::Retry { floor: Some(Duration::from_secs(3)) },
+                            AdapterOutcome::Throttled { .. } => Verdict::Retry {
+                                floor: Some(Duration::from_secs(3)),
+                            },
                             AdapterOutcome::Rejected { .. } => Verdict::FailPermanent,
                             AdapterOutcome::Committed { acknowledged } => {
-                                if *acknowledged { Verdict::Acknowledge } else { Verdict::Complete }
+                                if *acknowledged {
+                                    Verdict::Acknowledge
+                                } else {
+                                    Verdict::Complete
+                                }
                             }
-                            AdapterOutcome::ServerError { .. } if five_xx == FiveXx::Retryable => Verdict::Retry { floor: None },
+                            AdapterOutcome::ServerError { .. } if five_xx == FiveXx::Retryable => {
+                                Verdict::Retry { floor: None }
+                            }
                             _ if repeatable => Verdict::Retry { floor: None },
                             _ => Verdict::Reconcile,
                         };
@@ -216,8 +230,16 @@ mod tests {
 
     #[test]
     fn a_timeout_on_a_write_is_never_a_blind_resend() {
-        for class in [C::InternalWrite, C::ExternalIdempotent, C::ExternalNonIdempotent, C::Irreversible] {
-            let v = classify(&AdapterOutcome::SentNoAnswer, contract(class, FiveXx::Unknown, false));
+        for class in [
+            C::InternalWrite,
+            C::ExternalIdempotent,
+            C::ExternalNonIdempotent,
+            C::Irreversible,
+        ] {
+            let v = classify(
+                &AdapterOutcome::SentNoAnswer,
+                contract(class, FiveXx::Unknown, false),
+            );
             assert_eq!(v, Verdict::Reconcile, "{class:?}");
         }
     }
@@ -226,14 +248,35 @@ mod tests {
     fn decide_applies_the_budget() {
         let mut rng = StdRng::seed_from_u64(9);
         let policy = RetryPolicy::default_for(C::Irreversible);
-        let d = decide(Verdict::Retry { floor: None }, &policy, 1, Duration::ZERO, &mut rng);
+        let d = decide(
+            Verdict::Retry { floor: None },
+            &policy,
+            1,
+            Duration::ZERO,
+            &mut rng,
+        );
         assert_eq!(d.event, Event::ScheduleRetry);
         assert!(d.retry_in.is_some_and(|r| r <= policy.base));
-        let d = decide(Verdict::Retry { floor: None }, &policy, 5, Duration::ZERO, &mut rng);
+        let d = decide(
+            Verdict::Retry { floor: None },
+            &policy,
+            5,
+            Duration::ZERO,
+            &mut rng,
+        );
         assert_eq!(d.event, Event::Escalate);
         let reads = RetryPolicy::default_for(C::Read);
-        let d = decide(Verdict::Retry { floor: None }, &reads, 5, Duration::ZERO, &mut rng);
+        let d = decide(
+            Verdict::Retry { floor: None },
+            &reads,
+            5,
+            Duration::ZERO,
+            &mut rng,
+        );
         assert_eq!(d.event, Event::FailPermanently);
-        assert_eq!(decide(Verdict::Reconcile, &policy, 1, Duration::ZERO, &mut rng).event, Event::OutcomeUnknown);
+        assert_eq!(
+            decide(Verdict::Reconcile, &policy, 1, Duration::ZERO, &mut rng).event,
+            Event::OutcomeUnknown
+        );
     }
 }

@@ -256,7 +256,10 @@ fn required_str(obj: &mut Map<String, Value>, field: &str) -> Result<String, Pro
     }
 }
 
-fn optional_str(obj: &mut Map<String, Value>, field: &str) -> Result<Option<String>, ProposalError> {
+fn optional_str(
+    obj: &mut Map<String, Value>,
+    field: &str,
+) -> Result<Option<String>, ProposalError> {
     match obj.remove(field) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => non_empty(field, v).map(Some),
@@ -311,7 +314,9 @@ fn check_args_limits(args: &Map<String, Value>, limits: &Limits) -> Result<(), P
             actual,
         });
     }
-    let size = serde_json::to_vec(args).map(|v| v.len()).unwrap_or(usize::MAX);
+    let size = serde_json::to_vec(args)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
     if size > limits.max_args_bytes {
         return Err(ProposalError::ArgsTooLarge {
             max: limits.max_args_bytes,
@@ -376,17 +381,41 @@ mod tests {
         let cases: Vec<(Value, &str, &str)> = vec![
             (with(example(), &["tool"], None), "tool", "missing"),
             (with(example(), &["tool"], Some(json!(7))), "tool", "type"),
-            (with(example(), &["tool"], Some(json!("  "))), "tool", "empty"),
+            (
+                with(example(), &["tool"], Some(json!("  "))),
+                "tool",
+                "empty",
+            ),
             (with(example(), &["event_id"], None), "event_id", "missing"),
             (with(example(), &["entity"], None), "entity", "missing"),
-            (with(example(), &["entity", "id"], Some(json!(""))), "entity.id", "empty"),
-            (with(example(), &["entity", "type"], None), "entity.type", "missing"),
-            (with(example(), &["entity", "colour"], Some(json!("x"))), "entity.colour", "unknown"),
-            (with(example(), &["args"], Some(json!([1, 2]))), "args", "type"),
+            (
+                with(example(), &["entity", "id"], Some(json!(""))),
+                "entity.id",
+                "empty",
+            ),
+            (
+                with(example(), &["entity", "type"], None),
+                "entity.type",
+                "missing",
+            ),
+            (
+                with(example(), &["entity", "colour"], Some(json!("x"))),
+                "entity.colour",
+                "unknown",
+            ),
+            (
+                with(example(), &["args"], Some(json!([1, 2]))),
+                "args",
+                "type",
+            ),
             (with(example(), &["args"], None), "args", "missing"),
             (with(example(), &["step"], Some(json!(-1))), "step", "type"),
             (with(example(), &["step"], Some(json!(1.5))), "step", "type"),
-            (with(example(), &["arguments"], Some(json!({}))), "arguments", "unknown"),
+            (
+                with(example(), &["arguments"], Some(json!({}))),
+                "arguments",
+                "unknown",
+            ),
         ];
         for (input, field, kind) in cases {
             let err = decode(input).expect_err(field);
@@ -423,12 +452,22 @@ mod tests {
         };
         let big = with(example(), &["args", "note"], Some(json!("x".repeat(100))));
         let err = Proposal::decode(big.to_string().as_bytes(), &limits).expect_err("big");
-        assert!(matches!(err, ProposalError::ArgsTooLarge { max: 64, .. }), "{err:?}");
+        assert!(
+            matches!(err, ProposalError::ArgsTooLarge { max: 64, .. }),
+            "{err:?}"
+        );
         assert_eq!(err.reason(), "oversize");
 
-        let deep = with(example(), &["args", "a"], Some(json!({"b": {"c": {"d": 1}}})));
+        let deep = with(
+            example(),
+            &["args", "a"],
+            Some(json!({"b": {"c": {"d": 1}}})),
+        );
         let err = Proposal::decode(deep.to_string().as_bytes(), &limits).expect_err("deep");
-        assert!(matches!(err, ProposalError::ArgsTooDeep { max: 3, actual: 4 }), "{err:?}");
+        assert!(
+            matches!(err, ProposalError::ArgsTooDeep { max: 3, actual: 4 }),
+            "{err:?}"
+        );
 
         let ok = with(example(), &["args", "a"], Some(json!({"b": 1})));
         Proposal::decode(ok.to_string().as_bytes(), &limits).expect("depth 2 is fine");
@@ -438,6 +477,9 @@ mod tests {
             ..limits
         };
         let err = Proposal::decode(EXAMPLE.as_bytes(), &tiny).expect_err("message too large");
-        assert!(matches!(err, ProposalError::MessageTooLarge { max: 20, .. }));
+        assert!(matches!(
+            err,
+            ProposalError::MessageTooLarge { max: 20, .. }
+        ));
     }
 }

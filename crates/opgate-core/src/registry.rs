@@ -466,12 +466,13 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
             "must be non-empty and must not contain `:`".into(),
         ));
     }
-    let duration = |field: &str, text: &Option<String>| -> Result<Option<Duration>, RegistryError> {
-        text.as_deref()
-            .map(parse_duration)
-            .transpose()
-            .map_err(|m| err(field, m))
-    };
+    let duration =
+        |field: &str, text: &Option<String>| -> Result<Option<Duration>, RegistryError> {
+            text.as_deref()
+                .map(parse_duration)
+                .transpose()
+                .map_err(|m| err(field, m))
+        };
 
     let mut args = BTreeMap::new();
     for (arg, spec) in &raw.args {
@@ -563,8 +564,14 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
             ));
         }
         let url = Template::parse(&adapter.url).map_err(|e| err("adapter.url", e.to_string()))?;
-        if let Some(bad) = url.placeholders().find(|p| matches!(p, Placeholder::Result(_))) {
-            return Err(err("adapter.url", format!("placeholder `{bad}` is not available at dispatch")));
+        if let Some(bad) = url
+            .placeholders()
+            .find(|p| matches!(p, Placeholder::Result(_)))
+        {
+            return Err(err(
+                "adapter.url",
+                format!("placeholder `{bad}` is not available at dispatch"),
+            ));
         }
         let lookup_url = adapter
             .lookup_url
@@ -575,7 +582,10 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
         tool.adapter = Some(Adapter {
             config: adapter.clone(),
             timeout: Duration::from_millis(adapter.timeout_ms.unwrap_or(5_000)),
-            provider_retention: duration("adapter.provider_retention", &adapter.provider_retention)?,
+            provider_retention: duration(
+                "adapter.provider_retention",
+                &adapter.provider_retention,
+            )?,
             lookup_url,
         });
     }
@@ -584,9 +594,16 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
     let defaults = tool.retry;
     tool.retry = RetryPolicy {
         max_attempts: retry.max_attempts.unwrap_or(defaults.max_attempts),
-        base: retry.base_ms.map(Duration::from_millis).unwrap_or(defaults.base),
-        max_delay: retry.max_ms.map(Duration::from_millis).unwrap_or(defaults.max_delay),
-        max_elapsed: duration("retry.max_elapsed", &retry.max_elapsed)?.unwrap_or(defaults.max_elapsed),
+        base: retry
+            .base_ms
+            .map(Duration::from_millis)
+            .unwrap_or(defaults.base),
+        max_delay: retry
+            .max_ms
+            .map(Duration::from_millis)
+            .unwrap_or(defaults.max_delay),
+        max_elapsed: duration("retry.max_elapsed", &retry.max_elapsed)?
+            .unwrap_or(defaults.max_elapsed),
         on_exhausted: retry.on_exhausted.unwrap_or(defaults.on_exhausted),
     };
     if tool.retry.max_attempts == 0 {
@@ -605,8 +622,8 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
         }
         for (arg, value) in &comp.args {
             let Value::String(text) = value else { continue };
-            let template =
-                Template::parse(text).map_err(|e| err(&format!("compensation.args.{arg}"), e.to_string()))?;
+            let template = Template::parse(text)
+                .map_err(|e| err(&format!("compensation.args.{arg}"), e.to_string()))?;
             if let Some(Placeholder::Arg(a)) = template
                 .placeholders()
                 .find(|p| matches!(p, Placeholder::Arg(a) if !tool.declares_arg(a)))
@@ -681,9 +698,15 @@ charge_id = "trim"
         assert_eq!(tool.retry.max_elapsed, Duration::from_secs(600));
         assert_eq!(tool.retry.on_exhausted, OnExhausted::NeedsAttention);
         let adapter = tool.adapter.as_ref().expect("adapter");
-        assert_eq!(adapter.provider_retention, Some(Duration::from_secs(86_400)));
+        assert_eq!(
+            adapter.provider_retention,
+            Some(Duration::from_secs(86_400))
+        );
         assert_eq!(adapter.timeout, Duration::from_millis(2000));
-        assert_eq!(tool.compensation.as_ref().map(|c| c.tool.as_str()), Some("refund_payment"));
+        assert_eq!(
+            tool.compensation.as_ref().map(|c| c.tool.as_str()),
+            Some("refund_payment")
+        );
     }
 
     fn one_tool(body: &str) -> String {
@@ -693,23 +716,73 @@ charge_id = "trim"
     #[test]
     fn each_error_names_the_tool_and_field() {
         let cases = [
-            (one_tool("[tools.args]\namount = \"money\""), "args.amount", "unknown normalizer `money`"),
-            (one_tool("[tools.args]\namount = [\"trim\", \"shout\"]"), "args.amount", "unknown normalizer `shout`"),
-            (one_tool("key = \"x:{args.amout}\"\n[tools.args]\namount = \"money_minor\""), "key", "`{args.amout}` is not provided"),
+            (
+                one_tool("[tools.args]\namount = \"money\""),
+                "args.amount",
+                "unknown normalizer `money`",
+            ),
+            (
+                one_tool("[tools.args]\namount = [\"trim\", \"shout\"]"),
+                "args.amount",
+                "unknown normalizer `shout`",
+            ),
+            (
+                one_tool("key = \"x:{args.amout}\"\n[tools.args]\namount = \"money_minor\""),
+                "key",
+                "`{args.amout}` is not provided",
+            ),
             (one_tool("key = \"x:{intent}\""), "key", "needs `intents`"),
-            (one_tool("key = \"x:{colour}\""), "key", "unknown placeholder"),
-            (one_tool("dedupe_window = \"soon\""), "dedupe_window", "not a duration"),
-            (one_tool("[tools.retry]\nmax_elapsed = \"10 parsecs\""), "retry.max_elapsed", "not a duration"),
-            (one_tool("[tools.retry]\nmax_attempts = 0"), "retry.max_attempts", "1 or more"),
-            (one_tool("[tools.compensation]\ntool = \"undo\""), "compensation.tool", "`undo` is not declared"),
-            (one_tool("[tools.adapter]\nkind = \"grpc\"\nurl = \"x\""), "adapter.kind", "unknown adapter kind"),
-            (one_tool("[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nprovider_retention = \"forever\""), "adapter.provider_retention", "not a duration"),
-            (one_tool("key_strategy = \"workflow_step\"\nkey = \"x\""), "key", "only applies"),
+            (
+                one_tool("key = \"x:{colour}\""),
+                "key",
+                "unknown placeholder",
+            ),
+            (
+                one_tool("dedupe_window = \"soon\""),
+                "dedupe_window",
+                "not a duration",
+            ),
+            (
+                one_tool("[tools.retry]\nmax_elapsed = \"10 parsecs\""),
+                "retry.max_elapsed",
+                "not a duration",
+            ),
+            (
+                one_tool("[tools.retry]\nmax_attempts = 0"),
+                "retry.max_attempts",
+                "1 or more",
+            ),
+            (
+                one_tool("[tools.compensation]\ntool = \"undo\""),
+                "compensation.tool",
+                "`undo` is not declared",
+            ),
+            (
+                one_tool("[tools.adapter]\nkind = \"grpc\"\nurl = \"x\""),
+                "adapter.kind",
+                "unknown adapter kind",
+            ),
+            (
+                one_tool(
+                    "[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nprovider_retention = \"forever\"",
+                ),
+                "adapter.provider_retention",
+                "not a duration",
+            ),
+            (
+                one_tool("key_strategy = \"workflow_step\"\nkey = \"x\""),
+                "key",
+                "only applies",
+            ),
             (one_tool("key_version = 0"), "key_version", "1 or more"),
         ];
         for (toml, field, fragment) in cases {
             match expect_err(&toml) {
-                RegistryError::Tool { tool, field: f, message } => {
+                RegistryError::Tool {
+                    tool,
+                    field: f,
+                    message,
+                } => {
                     assert_eq!(tool, "t");
                     assert_eq!(f, field, "{message}");
                     assert!(message.contains(fragment), "{field}: {message}");
@@ -722,16 +795,25 @@ charge_id = "trim"
     #[test]
     fn shape_errors_come_from_toml_with_the_key() {
         let err = expect_err(&one_tool("retries = 3"));
-        assert!(matches!(&err, RegistryError::Toml(m) if m.contains("retries")), "{err}");
+        assert!(
+            matches!(&err, RegistryError::Toml(m) if m.contains("retries")),
+            "{err}"
+        );
         let err = expect_err("[[tools]]\nname = \"t\"\nside_effect_class = \"sometimes\"");
-        assert!(matches!(&err, RegistryError::Toml(m) if m.contains("sometimes")), "{err}");
+        assert!(
+            matches!(&err, RegistryError::Toml(m) if m.contains("sometimes")),
+            "{err}"
+        );
     }
 
     #[test]
     fn duplicate_tools_and_bad_agents_are_refused() {
         let twice = format!("{}\n{}", one_tool(""), one_tool(""));
         assert!(matches!(expect_err(&twice), RegistryError::Tool { field, .. } if field == "name"));
-        let agent = format!("{}\n[[agents]]\nid = \"bot\"\ntools = [\"nope\"]", one_tool(""));
+        let agent = format!(
+            "{}\n[[agents]]\nid = \"bot\"\ntools = [\"nope\"]",
+            one_tool("")
+        );
         assert!(matches!(expect_err(&agent), RegistryError::Agent { agent, .. } if agent == "bot"));
     }
 

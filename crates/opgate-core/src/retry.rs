@@ -146,7 +146,13 @@ mod tests {
             RetryDecision::Exhausted(Exhausted::MaxAttempts)
         );
         assert_eq!(
-            next_retry(&p, 1, Duration::from_secs(59), Some(Duration::from_secs(5)), &mut rng),
+            next_retry(
+                &p,
+                1,
+                Duration::from_secs(59),
+                Some(Duration::from_secs(5)),
+                &mut rng
+            ),
             RetryDecision::Exhausted(Exhausted::MaxElapsed)
         );
     }
@@ -154,7 +160,13 @@ mod tests {
     #[test]
     fn retry_after_is_a_floor_even_above_the_cap() {
         let mut rng = StdRng::seed_from_u64(2);
-        let d = next_retry(&policy(), 1, Duration::ZERO, Some(Duration::from_secs(7)), &mut rng);
+        let d = next_retry(
+            &policy(),
+            1,
+            Duration::ZERO,
+            Some(Duration::from_secs(7)),
+            &mut rng,
+        );
         assert_eq!(d, RetryDecision::After(Duration::from_secs(7)));
     }
 
@@ -185,11 +197,9 @@ mod tests {
             let mut rng = StdRng::seed_from_u64(seed);
             let mut elapsed = Duration::ZERO;
             let mut attempts = 1;
-            loop {
-                match next_retry(&p, attempts, elapsed, None, &mut rng) {
-                    RetryDecision::After(d) => { elapsed += d; attempts += 1; }
-                    RetryDecision::Exhausted(_) => break,
-                }
+            while let RetryDecision::After(d) = next_retry(&p, attempts, elapsed, None, &mut rng) {
+                elapsed += d;
+                attempts += 1;
                 prop_assert!(attempts <= p.max_attempts);
             }
         }

@@ -361,7 +361,9 @@ mod tests {
                     Err(e) => {
                         assert_eq!((e.from, e.event), (from, event));
                         assert!(
-                            !table.iter().any(|(f, ev, _)| *f == from.as_str() && *ev == event.name()),
+                            !table
+                                .iter()
+                                .any(|(f, ev, _)| *f == from.as_str() && *ev == event.name()),
                             "table allows {} + {} but transition refuses",
                             from,
                             event.name()

@@ -94,7 +94,9 @@ impl Template {
                 if !literal.is_empty() {
                     parts.push(Part::Literal(std::mem::take(&mut literal)));
                 }
-                parts.push(Part::Placeholder(parse_placeholder(&rest[open + 1..close])?));
+                parts.push(Part::Placeholder(parse_placeholder(
+                    &rest[open + 1..close],
+                )?));
             }
             rest = &rest[close + 1..];
         }
@@ -198,9 +200,15 @@ mod tests {
     #[test]
     fn leaves_environment_references_alone() {
         let t = Template::parse("${OPGATE_SIM_URL}/payments?idempotency_key={key}").expect("ok");
-        assert_eq!(t.placeholders().collect::<Vec<_>>(), vec![&Placeholder::Key]);
+        assert_eq!(
+            t.placeholders().collect::<Vec<_>>(),
+            vec![&Placeholder::Key]
+        );
         let out: Result<String, ()> = t.render(|_| Ok("K".into()));
-        assert_eq!(out.expect("renders"), "${OPGATE_SIM_URL}/payments?idempotency_key=K");
+        assert_eq!(
+            out.expect("renders"),
+            "${OPGATE_SIM_URL}/payments?idempotency_key=K"
+        );
     }
 
     #[test]
@@ -209,7 +217,13 @@ mod tests {
             Template::parse("x:{amount}"),
             Err(TemplateError::Unknown("amount".into()))
         );
-        assert!(matches!(Template::parse("x:{args.a"), Err(TemplateError::Unclosed(_))));
-        assert!(matches!(Template::parse("{args.}"), Err(TemplateError::Unknown(_))));
+        assert!(matches!(
+            Template::parse("x:{args.a"),
+            Err(TemplateError::Unclosed(_))
+        ));
+        assert!(matches!(
+            Template::parse("{args.}"),
+            Err(TemplateError::Unknown(_))
+        ));
     }
 }

@@ -1,1 +1,131 @@
-//! placeholder
+//! The operation ledger: the [`Ledger`] port and its PostgreSQL and SQLite adapters.
+//!
+//! Every hot path is one transaction per batch:
+//! - [`Ledger::ingest`] writes, per proposal, an inbox row, the operation (or finds the
+//!   existing one by key), a dispatch-queue row and a result-outbox row;
+//! - [`Ledger::claim`] leases head-of-line operations (one write in flight per entity,
+//!   enforced by a unique partial index), bumps the fencing epoch and persists
+//!   `dispatched` plus an attempt row before the caller touches the tool;
+//! - [`Ledger::record`] applies an outcome if the epoch still matches: history event,
+//!   attempt, queue and result outbox move together;
+//! - [`Ledger::claim_reconcile`] turns expired leases into `unknown_outcome` and leases
+//!   ambiguous operations to a reconciler;
+//! - [`Ledger::claim_results`] / [`Ledger::mark_published`] feed the results relay.
+//!
+//! The algorithm of each path is written once ([`flow`]) over a small per-backend
+//! statement set; the backends differ only in SQL dialect and column types. All times
+//! come from the database clock, read once per transaction.
+
+mod error;
+mod flow;
+pub mod postgres;
+mod schema;
+pub mod sqlite;
+mod types;
+
+use std::sync::Arc;
+
+pub use error::{Error, Result};
+pub use postgres::PgLedger;
+pub use schema::SchemaStatus;
+pub use sqlite::SqliteLedger;
+pub use types::*;
+
+use opgate_core::{IngestItem, Operation};
+use uuid::Uuid;
+
+/// The ledger port. Kafka ingest, dispatchers, reconcilers, the relay and the admin API
+/// all talk to the ledger through this trait only.
+#[async_trait::async_trait]
+pub trait Ledger: Send + Sync + 'static {
+    /// Ingests a batch of proposals in one transaction, in order. A redelivered event
+    /// id is an inbox hit and changes nothing; an existing key is a dedupe hit.
+    async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>>;
+
+    /// Leases ready, head-of-line operations and persists `dispatched` and an attempt
+    /// for each, before the caller sends anything.
+    async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>>;
+
+    /// Records outcomes in one transaction. Each item succeeds or fails on its own
+    /// (stale epoch, illegal transition); a database error fails the batch.
+    async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>>;
+
+    /// Moves `dispatched` operations whose lease expired to `unknown_outcome`, then
+    /// leases `unknown_outcome` and `acknowledged` operations that are due to a reconciler.
+    async fn claim_reconcile(&self, request: &ClaimRequest) -> Result<Vec<Claim>>;
+
+    /// Applies a person's or the admin API's command (approve, reject, cancel, resolve,
+    /// start or finish a compensation). Fences any lease holder by bumping the epoch.
+    async fn apply(&self, command: &Command) -> Result<Operation>;
+
+    /// Leases unpublished result rows to a relay, oldest first.
+    async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>>;
+
+    /// Marks result rows published (after the broker acknowledged them).
+    async fn mark_published(&self, ids: &[i64]) -> Result<()>;
+
+    /// One operation.
+    async fn operation(&self, id: Uuid) -> Result<Option<Operation>>;
+
+    /// One operation by its key.
+    async fn operation_by_key(&self, namespace: &str, key: &str) -> Result<Option<Operation>>;
+
+    /// An operation's history, oldest first.
+    async fn events(&self, id: Uuid) -> Result<Vec<OperationEvent>>;
+
+    /// An operation's attempts, oldest first.
+    async fn attempts(&self, id: Uuid) -> Result<Vec<Attempt>>;
+
+    /// Operations matching a filter, newest first, paginated.
+    async fn list(&self, filter: &ListFilter) -> Result<Page>;
+
+    /// Deletes inbox rows, finished queue rows and published results older than the
+    /// retention. Operations, events and attempts are the ledger of truth and are kept.
+    async fn reap(&self, retention: std::time::Duration) -> Result<ReapStats>;
+
+    /// Whether the schema is the one this build knows.
+    async fn schema_status(&self) -> Result<SchemaStatus>;
+}
+
+/// A shared ledger handle.
+pub type SharedLedger = Arc<dyn Ledger>;
+
+/// Opens the ledger a URL names: `postgres://...` or `sqlite://PATH` / `sqlite:PATH`.
+/// It refuses a schema newer than this build knows, and one that is not migrated.
+pub async fn open(url: &str) -> Result<SharedLedger> {
+    let ledger: SharedLedger = if is_postgres(url) {
+        Arc::new(PgLedger::connect(url).await?)
+    } else {
+        Arc::new(SqliteLedger::open(url).await?)
+    };
+    ledger.schema_status().await?.require_current()?;
+    Ok(ledger)
+}
+
+/// Applies pending migrations to the database a URL names and reports the version.
+pub async fn migrate(url: &str) -> Result<SchemaStatus> {
+    if is_postgres(url) {
+        let ledger = PgLedger::connect(url).await?;
+        ledger.migrate().await?;
+        ledger.schema_status().await
+    } else {
+        let ledger = SqliteLedger::open(url).await?;
+        ledger.migrate().await?;
+        ledger.schema_status().await
+    }
+}
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// The in-process retry for transient transaction conflicts (deadlock, serialization
+/// failure, a lost race on a unique index, a busy SQLite file): a few quick, jittered
+/// attempts. Durable retries of operations are a different thing (`opgate_core::retry`).
+pub(crate) fn retry_policy() -> backon::ExponentialBuilder {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(5))
+        .with_max_delay(std::time::Duration::from_millis(500))
+        .with_max_times(8)
+        .with_jitter()
+}

@@ -1,0 +1,615 @@
+//! The ledger's algorithms, written once over [`Tx`], a per-backend set of statements.
+//!
+//! Each function runs inside one transaction the backend opened; the backend commits
+//! it and retries the whole function on a transient conflict. Every state change goes
+//! through [`opgate_core::transition`], appends a history event, moves the queue row and
+//! writes a result-outbox row, in that one transaction.
+
+use std::future::Future;
+use std::time::Duration;
+
+use opgate_core::envelope::Envelope;
+use opgate_core::registry::KeyStrategy;
+use opgate_core::{
+    Dedupe, Delivery, ErrorInfo, Event, IngestItem, Operation, RejectedProposal, Rejection,
+    ResultMessage, Status, transition,
+};
+use serde_json::json;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::types::{
+    AttemptReport, Claim, ClaimRequest, Command, IngestDecision, IngestOutcome, QueueState,
+    Recording,
+};
+use crate::{Error, Result};
+
+/// A history entry to append.
+pub(crate) struct NewEvent<'a> {
+    pub operation_id: Uuid,
+    pub from: Option<Status>,
+    pub to: Status,
+    pub reason: &'a str,
+    pub attempt_id: Option<Uuid>,
+    pub epoch: i64,
+    pub actor: Option<&'a str>,
+    pub at: OffsetDateTime,
+    pub detail: Option<serde_json::Value>,
+}
+
+/// An attempt row, written before the tool is called.
+pub(crate) struct NewAttempt<'a> {
+    pub attempt_id: Uuid,
+    pub operation_id: Uuid,
+    pub number: u32,
+    pub epoch: i64,
+    pub worker: &'a str,
+    pub started_at: OffsetDateTime,
+}
+
+/// A result-outbox row.
+pub(crate) struct NewOutbox {
+    pub operation_id: Option<Uuid>,
+    pub seq: i64,
+    pub status: String,
+    pub kafka_key: String,
+    pub payload: serde_json::Value,
+    pub at: OffsetDateTime,
+}
+
+/// An existing inbox row.
+pub(crate) struct InboxRow {
+    pub decision: String,
+    pub reason: Option<String>,
+    pub operation_id: Option<Uuid>,
+}
+
+/// The statements a backend provides inside one open transaction.
+pub(crate) trait Tx: Send {
+    /// The database clock.
+    fn now(&mut self) -> impl Future<Output = Result<OffsetDateTime>> + Send;
+    /// Inserts an inbox row (decision `accepted`, no operation yet); false if it exists.
+    fn insert_inbox(
+        &mut self,
+        event_id: &str,
+        delivery: &Delivery,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<bool>> + Send;
+    /// An existing inbox row: decision, reason, operation.
+    fn inbox(&mut self, event_id: &str) -> impl Future<Output = Result<Option<InboxRow>>> + Send;
+    /// Sets an inbox row's decision.
+    fn set_inbox(
+        &mut self,
+        event_id: &str,
+        decision: &IngestDecision,
+        operation_id: Option<Uuid>,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts an operation unless its (namespace, key) exists; false if it did.
+    fn insert_operation(&mut self, op: &Operation) -> impl Future<Output = Result<bool>> + Send;
+    /// Reads and row-locks an operation.
+    fn lock_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Reads and row-locks an operation by key.
+    fn lock_operation_by_key(
+        &mut self,
+        namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Writes an operation's mutable columns.
+    fn update_operation(&mut self, op: &Operation) -> impl Future<Output = Result<()>> + Send;
+    /// Appends a history entry.
+    fn insert_event(&mut self, event: &NewEvent<'_>) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts an attempt row.
+    fn insert_attempt(
+        &mut self,
+        attempt: &NewAttempt<'_>,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Finishes an attempt row (only one of this operation's).
+    fn finish_attempt(
+        &mut self,
+        operation_id: Uuid,
+        attempt_id: Uuid,
+        report: &AttemptReport,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts or updates an operation's queue row.
+    fn put_queue(
+        &mut self,
+        op: &Operation,
+        state: QueueState,
+        ready_at: OffsetDateTime,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Appends a result-outbox row.
+    fn insert_outbox(&mut self, row: &NewOutbox) -> impl Future<Output = Result<()>> + Send;
+    /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones.
+    fn pick_claimable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Locks up to `limit` dispatched operations whose lease expired.
+    fn pick_expired(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Locks up to `limit` unleased, due unknown_outcome / acknowledged operations.
+    fn pick_reconcilable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+}
+
+fn add(at: OffsetDateTime, d: Duration) -> OffsetDateTime {
+    at + time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
+}
+
+/// Appends a result for the operation's current state (bumping its sequence number).
+async fn publish<T: Tx>(
+    tx: &mut T,
+    op: &mut Operation,
+    event_id: &str,
+    dedupe: Dedupe,
+    at: OffsetDateTime,
+) -> Result<()> {
+    op.result_seq += 1;
+    let message = ResultMessage::for_operation(op, event_id, dedupe, op.result_seq, at);
+    tx.insert_outbox(&NewOutbox {
+        operation_id: Some(op.operation_id),
+        seq: op.result_seq,
+        status: message.status.clone(),
+        kafka_key: format!("{}:{}", op.entity.kind, op.entity.id),
+        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        at,
+    })
+    .await
+}
+
+async fn publish_rejection<T: Tx>(
+    tx: &mut T,
+    rejected: &RejectedProposal,
+    at: OffsetDateTime,
+) -> Result<()> {
+    let message = ResultMessage::for_rejection(rejected, at);
+    tx.insert_outbox(&NewOutbox {
+        operation_id: None,
+        seq: 0,
+        status: message.status.clone(),
+        kafka_key: rejected.kafka_key(),
+        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        at,
+    })
+    .await
+}
+
+fn new_operation(env: &Envelope, at: OffsetDateTime) -> Operation {
+    Operation {
+        operation_id: Uuid::now_v7(),
+        namespace: env.key.namespace.clone(),
+        idempotency_key: env.key.key.clone(),
+        key_components: env.key.components.clone(),
+        args_fingerprint: env.args_fingerprint.clone(),
+        event_id: env.event_id.clone(),
+        agent_id: env.agent_id.clone(),
+        workflow_id: env.workflow_id.clone(),
+        run_id: env.run_id.clone(),
+        step: env.step,
+        tool: env.tool.clone(),
+        intent: env.intent.clone(),
+        entity: env.entity.clone(),
+        entity_key: env.entity_key.clone(),
+        canonical_args: env.canonical_args.clone(),
+        side_effect_class: env.side_effect_class,
+        status: env.initial_status,
+        attempt_count: 0,
+        first_attempt_at: None,
+        unknown_since: None,
+        next_attempt_at: None,
+        lease_owner: None,
+        lease_expires_at: None,
+        lease_epoch: 0,
+        external_request_id: None,
+        external_object_id: None,
+        result: None,
+        error: None,
+        compensates: None,
+        traceparent: env.delivery.traceparent.clone(),
+        result_seq: 0,
+        created_at: at,
+        updated_at: at,
+    }
+}
+
+/// Ingests a batch (see [`crate::Ledger::ingest`]).
+pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
+    let now = tx.now().await?;
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for item in batch {
+        let event_id = item.event_id();
+        let delivery = match item {
+            IngestItem::Accepted(env) => &env.delivery,
+            IngestItem::Rejected(rej) => &rej.delivery,
+        };
+        if !tx.insert_inbox(event_id, delivery, now).await? {
+            let row = tx
+                .inbox(event_id)
+                .await?
+                .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
+            let operation = match row.operation_id {
+                Some(id) => tx.lock_operation(id).await?,
+                None => None,
+            };
+            outcomes.push(IngestOutcome {
+                event_id: event_id.to_owned(),
+                decision: IngestDecision::from_row(&row.decision, row.reason),
+                inbox_hit: true,
+                operation,
+            });
+            continue;
+        }
+        let (decision, operation) = match item {
+            IngestItem::Rejected(rejected) => {
+                publish_rejection(tx, rejected, now).await?;
+                let decision = IngestDecision::Rejected {
+                    reason: rejected.rejection.reason.to_owned(),
+                };
+                (decision, None)
+            }
+            IngestItem::Accepted(env) => ingest_envelope(tx, env, now).await?,
+        };
+        tx.set_inbox(
+            event_id,
+            &decision,
+            operation.as_ref().map(|o| o.operation_id),
+        )
+        .await?;
+        outcomes.push(IngestOutcome {
+            event_id: event_id.to_owned(),
+            decision,
+            inbox_hit: false,
+            operation,
+        });
+    }
+    Ok(outcomes)
+}
+
+async fn ingest_envelope<T: Tx>(
+    tx: &mut T,
+    env: &Envelope,
+    now: OffsetDateTime,
+) -> Result<(IngestDecision, Option<Operation>)> {
+    let mut op = new_operation(env, now);
+    op.result_seq = 1;
+    if tx.insert_operation(&op).await? {
+        tx.insert_event(&NewEvent {
+            operation_id: op.operation_id,
+            from: None,
+            to: op.status,
+            reason: "ingested",
+            attempt_id: None,
+            epoch: 0,
+            actor: None,
+            at: now,
+            detail: None,
+        })
+        .await?;
+        tx.put_queue(&op, QueueState::of(op.status), now, now)
+            .await?;
+        op.result_seq = 0;
+        publish(tx, &mut op, &env.event_id, Dedupe::miss(), now).await?;
+        return Ok((IngestDecision::Accepted, Some(op)));
+    }
+    let mut existing = tx
+        .lock_operation_by_key(&env.key.namespace, &env.key.key)
+        .await?
+        .ok_or_else(|| Error::Corrupt(format!("operation for key {} vanished", env.key.key)))?;
+    if env.key_strategy == KeyStrategy::WorkflowStep
+        && existing.args_fingerprint != env.args_fingerprint
+    {
+        let rejection = Rejection {
+            reason: "key_conflict",
+            message: format!(
+                "key `{}` already names operation {} with different arguments; a new step is needed",
+                env.key.key, existing.operation_id
+            ),
+        };
+        let rejected = RejectedProposal {
+            event_id: env.event_id.clone(),
+            delivery: env.delivery.clone(),
+            namespace: Some(env.key.namespace.clone()),
+            workflow_id: env.workflow_id.clone(),
+            step: env.step,
+            tool: Some(env.tool.clone()),
+            entity: Some(env.entity.clone()),
+            rejection,
+        };
+        publish_rejection(tx, &rejected, now).await?;
+        let decision = IngestDecision::Rejected {
+            reason: "key_conflict".into(),
+        };
+        return Ok((decision, Some(existing)));
+    }
+    publish(tx, &mut existing, &env.event_id, Dedupe::hit("key"), now).await?;
+    tx.update_operation(&existing).await?;
+    let decision = IngestDecision::Deduplicated {
+        reason: "key".into(),
+    };
+    Ok((decision, Some(existing)))
+}
+
+/// Claims work for a dispatcher (see [`crate::Ledger::claim`]).
+pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<Vec<Claim>> {
+    let now = tx.now().await?;
+    let ids = tx.pick_claimable(now, request.limit).await?;
+    let mut claims = Vec::with_capacity(ids.len());
+    for id in ids {
+        let Some(mut op) = tx.lock_operation(id).await? else {
+            continue;
+        };
+        let from = op.status;
+        let to = transition(from, Event::Claim).map_err(|source| Error::IllegalTransition {
+            operation_id: id,
+            source,
+        })?;
+        op.status = to;
+        op.attempt_count += 1;
+        op.lease_epoch += 1;
+        op.lease_owner = Some(request.owner.clone());
+        op.lease_expires_at = Some(add(now, request.lease));
+        op.first_attempt_at.get_or_insert(now);
+        op.next_attempt_at = None;
+        op.updated_at = now;
+        let attempt_id = Uuid::now_v7();
+        tx.insert_attempt(&NewAttempt {
+            attempt_id,
+            operation_id: id,
+            number: op.attempt_count,
+            epoch: op.lease_epoch,
+            worker: &request.owner,
+            started_at: now,
+        })
+        .await?;
+        tx.insert_event(&NewEvent {
+            operation_id: id,
+            from: Some(from),
+            to,
+            reason: "claimed",
+            attempt_id: Some(attempt_id),
+            epoch: op.lease_epoch,
+            actor: Some(&request.owner),
+            at: now,
+            detail: None,
+        })
+        .await?;
+        tx.put_queue(&op, QueueState::of(to), now, now).await?;
+        let event_id = op.event_id.clone();
+        publish(tx, &mut op, &event_id, Dedupe::miss(), now).await?;
+        tx.update_operation(&op).await?;
+        claims.push(Claim {
+            first_attempt_at: op.first_attempt_at,
+            operation: op,
+            attempt_id: Some(attempt_id),
+            claimed_at: now,
+        });
+    }
+    Ok(claims)
+}
+
+/// What a transition writes beside the state.
+struct Change<'a> {
+    event: Event,
+    reason: &'a str,
+    attempt_id: Option<Uuid>,
+    actor: Option<&'a str>,
+    next_in: Option<Duration>,
+    detail: Option<serde_json::Value>,
+}
+
+/// Applies one transition to a locked operation and writes everything that goes with it.
+async fn change<T: Tx>(
+    tx: &mut T,
+    op: &mut Operation,
+    c: Change<'_>,
+    now: OffsetDateTime,
+) -> Result<std::result::Result<(), Error>> {
+    let from = op.status;
+    let to = match transition(from, c.event) {
+        Ok(to) => to,
+        Err(source) => {
+            return Ok(Err(Error::IllegalTransition {
+                operation_id: op.operation_id,
+                source,
+            }));
+        }
+    };
+    let mut detail = c.detail;
+    if from == Status::UnknownOutcome && to != Status::UnknownOutcome {
+        if let Some(since) = op.unknown_since.take() {
+            let waited = (now - since).whole_milliseconds();
+            let mut d = detail.unwrap_or_else(|| json!({}));
+            d["unknown_for_ms"] = json!(waited);
+            detail = Some(d);
+        }
+    }
+    if to == Status::UnknownOutcome && from != Status::UnknownOutcome {
+        op.unknown_since = Some(now);
+    }
+    op.status = to;
+    op.lease_owner = None;
+    op.lease_expires_at = None;
+    op.next_attempt_at = c.next_in.map(|d| add(now, d));
+    if matches!(to, Status::CompletedSuccess | Status::CompletedNoop) {
+        op.error = None;
+    }
+    op.updated_at = now;
+    tx.insert_event(&NewEvent {
+        operation_id: op.operation_id,
+        from: Some(from),
+        to,
+        reason: c.reason,
+        attempt_id: c.attempt_id,
+        epoch: op.lease_epoch,
+        actor: c.actor,
+        at: now,
+        detail,
+    })
+    .await?;
+    let ready_at = op.next_attempt_at.unwrap_or(now);
+    tx.put_queue(op, QueueState::of(to), ready_at, now).await?;
+    if from != to {
+        let event_id = op.event_id.clone();
+        publish(tx, op, &event_id, Dedupe::miss(), now).await?;
+    }
+    tx.update_operation(op).await?;
+    Ok(Ok(()))
+}
+
+/// Records outcomes (see [`crate::Ledger::record`]).
+pub(crate) async fn record<T: Tx>(
+    tx: &mut T,
+    recordings: &[Recording],
+) -> Result<Vec<Result<Operation>>> {
+    let now = tx.now().await?;
+    let mut results = Vec::with_capacity(recordings.len());
+    for rec in recordings {
+        let Some(mut op) = tx.lock_operation(rec.operation_id).await? else {
+            results.push(Err(Error::NotFound(rec.operation_id)));
+            continue;
+        };
+        if op.lease_epoch != rec.epoch {
+            results.push(Err(Error::StaleEpoch {
+                operation_id: rec.operation_id,
+                presented: rec.epoch,
+                current: op.lease_epoch,
+            }));
+            continue;
+        }
+        if let Some(result) = &rec.result {
+            op.result = Some(result.clone());
+        }
+        if rec.external_object_id.is_some() {
+            op.external_object_id.clone_from(&rec.external_object_id);
+        }
+        if rec.external_request_id.is_some() {
+            op.external_request_id.clone_from(&rec.external_request_id);
+        }
+        if rec.error.is_some() {
+            op.error.clone_from(&rec.error);
+        }
+        let outcome = change(
+            tx,
+            &mut op,
+            Change {
+                event: rec.event,
+                reason: &rec.reason,
+                attempt_id: rec.attempt.as_ref().map(|(id, _)| *id),
+                actor: None,
+                next_in: rec.next_in,
+                detail: None,
+            },
+            now,
+        )
+        .await?;
+        if let Err(e) = outcome {
+            results.push(Err(e));
+            continue;
+        }
+        if let Some((attempt_id, report)) = &rec.attempt {
+            tx.finish_attempt(op.operation_id, *attempt_id, report, now)
+                .await?;
+        }
+        results.push(Ok(op));
+    }
+    Ok(results)
+}
+
+/// Expires leases and claims ambiguous operations (see [`crate::Ledger::claim_reconcile`]).
+pub(crate) async fn claim_reconcile<T: Tx>(
+    tx: &mut T,
+    request: &ClaimRequest,
+) -> Result<Vec<Claim>> {
+    let now = tx.now().await?;
+    for id in tx.pick_expired(now, request.limit).await? {
+        let Some(mut op) = tx.lock_operation(id).await? else {
+            continue;
+        };
+        let lost_by = op.lease_owner.clone();
+        // The lease holder lost it: fence it off before anyone acts on the operation.
+        op.lease_epoch += 1;
+        op.error = Some(ErrorInfo {
+            category: "lease_expired".into(),
+            retryable: false,
+            retry_after_seconds: None,
+            message: Some(format!(
+                "the lease of {} expired before an outcome was recorded",
+                lost_by.as_deref().unwrap_or("a worker")
+            )),
+        });
+        let changed = change(
+            tx,
+            &mut op,
+            Change {
+                event: Event::OutcomeUnknown,
+                reason: "lease_expired",
+                attempt_id: None,
+                actor: None,
+                next_in: None,
+                detail: Some(json!({ "lease_owner": lost_by })),
+            },
+            now,
+        )
+        .await?;
+        changed?;
+    }
+    let mut claims = Vec::new();
+    for id in tx.pick_reconcilable(now, request.limit).await? {
+        let Some(mut op) = tx.lock_operation(id).await? else {
+            continue;
+        };
+        op.lease_epoch += 1;
+        op.lease_owner = Some(request.owner.clone());
+        op.lease_expires_at = Some(add(now, request.lease));
+        op.updated_at = now;
+        tx.update_operation(&op).await?;
+        claims.push(Claim {
+            first_attempt_at: op.first_attempt_at,
+            operation: op,
+            attempt_id: None,
+            claimed_at: now,
+        });
+    }
+    Ok(claims)
+}
+
+/// Applies a command (see [`crate::Ledger::apply`]).
+pub(crate) async fn apply<T: Tx>(tx: &mut T, command: &Command) -> Result<Operation> {
+    let now = tx.now().await?;
+    let mut op = tx
+        .lock_operation(command.operation_id)
+        .await?
+        .ok_or(Error::NotFound(command.operation_id))?;
+    // Fence whoever holds a lease: their late recording must not overwrite a person.
+    op.lease_epoch += 1;
+    if let Some(result) = &command.result {
+        op.result = Some(result.clone());
+    }
+    change(
+        tx,
+        &mut op,
+        Change {
+            event: command.event,
+            reason: &command.reason,
+            attempt_id: None,
+            actor: Some(&command.actor),
+            next_in: None,
+            detail: None,
+        },
+        now,
+    )
+    .await??;
+    Ok(op)
+}

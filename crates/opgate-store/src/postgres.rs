@@ -1,0 +1,710 @@
+//! The PostgreSQL ledger: row locks, `FOR UPDATE SKIP LOCKED`, the database clock.
+
+use std::time::Duration;
+
+use opgate_core::{
+    Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Source, Status,
+};
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::types::Json;
+use sqlx::{Postgres, Row, Transaction};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::flow::{self, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
+use crate::schema::{self, SchemaStatus};
+use crate::types::*;
+use crate::{Error, Ledger, Result};
+
+/// A ledger on PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgLedger {
+    pool: PgPool,
+}
+
+impl PgLedger {
+    /// Connects (does not migrate).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let options: PgConnectOptions = url.parse()?;
+        Self::connect_with(options).await
+    }
+
+    /// Connects with explicit options (e.g. a `search_path` per test schema).
+    pub async fn connect_with(options: PgConnectOptions) -> Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    /// Applies pending migrations.
+    pub async fn migrate(&self) -> Result<()> {
+        schema::POSTGRES.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn begin(&self) -> Result<PgTx> {
+        Ok(PgTx(self.pool.begin().await?))
+    }
+}
+
+/// Runs `$body` (an expression using `$tx`) in a transaction, committing on success and
+/// retrying the whole transaction on transient conflicts.
+macro_rules! in_tx {
+    ($self:ident, |$tx:ident| $body:expr) => {{
+        use backon::Retryable as _;
+        (|| async {
+            let mut $tx = $self.begin().await?;
+            let out = $body;
+            $tx.0.commit().await?;
+            Ok::<_, Error>(out)
+        })
+        .retry(crate::retry_policy())
+        .when(Error::is_transient)
+        .await
+    }};
+}
+
+struct PgTx(Transaction<'static, Postgres>);
+
+const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_components, args_fingerprint, \
+    event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
+    canonical_args, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, \
+    unknown_since, lease_owner, lease_expires_at, lease_epoch, external_request_id, \
+    external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at";
+
+fn corrupt(what: &str, value: &str) -> Error {
+    Error::Corrupt(format!("{what} {value:?}"))
+}
+
+fn op_from_row(row: &PgRow) -> Result<Operation> {
+    let class: String = row.try_get("side_effect_class")?;
+    let status: String = row.try_get("status")?;
+    Ok(Operation {
+        operation_id: row.try_get("operation_id")?,
+        namespace: row.try_get("namespace")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        key_components: row.try_get::<Json<Value>, _>("key_components")?.0,
+        args_fingerprint: row.try_get("args_fingerprint")?,
+        event_id: row.try_get("event_id")?,
+        agent_id: row.try_get("agent_id")?,
+        workflow_id: row.try_get("workflow_id")?,
+        run_id: row.try_get("run_id")?,
+        step: row.try_get::<Option<i64>, _>("step")?.map(|s| s as u64),
+        tool: row.try_get("tool")?,
+        intent: row.try_get("intent")?,
+        entity: Entity {
+            kind: row.try_get("entity_type")?,
+            id: row.try_get("entity_id")?,
+        },
+        entity_key: row.try_get("entity_key")?,
+        canonical_args: row.try_get::<Json<Value>, _>("canonical_args")?.0,
+        side_effect_class: SideEffectClass::parse(&class)
+            .ok_or_else(|| corrupt("side_effect_class", &class))?,
+        status: Status::parse(&status).ok_or_else(|| corrupt("status", &status))?,
+        attempt_count: row.try_get::<i32, _>("attempt_count")? as u32,
+        first_attempt_at: row.try_get("first_attempt_at")?,
+        next_attempt_at: row.try_get("next_attempt_at")?,
+        unknown_since: row.try_get("unknown_since")?,
+        lease_owner: row.try_get("lease_owner")?,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+        lease_epoch: row.try_get("lease_epoch")?,
+        external_request_id: row.try_get("external_request_id")?,
+        external_object_id: row.try_get("external_object_id")?,
+        result: row
+            .try_get::<Option<Json<Value>>, _>("result")?
+            .map(|j| j.0),
+        error: row
+            .try_get::<Option<Json<ErrorInfo>>, _>("error")?
+            .map(|j| j.0),
+        compensates: row.try_get("compensates")?,
+        traceparent: row.try_get("traceparent")?,
+        result_seq: row.try_get("result_seq")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+fn source_columns(delivery: &Delivery) -> (Option<&str>, Option<i32>, Option<i64>) {
+    match &delivery.source {
+        Source::Kafka {
+            topic,
+            partition,
+            offset,
+        } => (Some(topic.as_str()), Some(*partition), Some(*offset)),
+        Source::Http => (None, None, None),
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Tx for PgTx {
+    async fn now(&mut self) -> Result<OffsetDateTime> {
+        Ok(sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *self.0)
+            .await?)
+    }
+
+    async fn insert_inbox(
+        &mut self,
+        event_id: &str,
+        delivery: &Delivery,
+        at: OffsetDateTime,
+    ) -> Result<bool> {
+        let (topic, partition, offset) = source_columns(delivery);
+        let done = sqlx::query(
+            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at)
+               VALUES ($1, $2, $3, $4, 'accepted', $5) ON CONFLICT (source_id) DO NOTHING"#,
+        )
+        .bind(event_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(offset)
+        .bind(at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn inbox(&mut self, event_id: &str) -> Result<Option<InboxRow>> {
+        let row: Option<(String, Option<String>, Option<Uuid>)> =
+            sqlx::query_as("SELECT decision, reason, operation_id FROM inbox WHERE source_id = $1")
+                .bind(event_id)
+                .fetch_optional(&mut *self.0)
+                .await?;
+        Ok(row.map(|(decision, reason, operation_id)| InboxRow {
+            decision,
+            reason,
+            operation_id,
+        }))
+    }
+
+    async fn set_inbox(
+        &mut self,
+        event_id: &str,
+        decision: &IngestDecision,
+        operation_id: Option<Uuid>,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE inbox SET decision = $2, reason = $3, operation_id = $4 WHERE source_id = $1",
+        )
+        .bind(event_id)
+        .bind(decision.as_str())
+        .bind(decision.reason())
+        .bind(operation_id)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn insert_operation(&mut self, op: &Operation) -> Result<bool> {
+        let done = sqlx::query(&format!(
+            "INSERT INTO operations ({OP_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+             $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, \
+             $28, $29, $30, $31, $32, $33, $34) \
+             ON CONFLICT (namespace, idempotency_key) DO NOTHING"
+        ))
+        .bind(op.operation_id)
+        .bind(&op.namespace)
+        .bind(&op.idempotency_key)
+        .bind(Json(&op.key_components))
+        .bind(&op.args_fingerprint)
+        .bind(&op.event_id)
+        .bind(&op.agent_id)
+        .bind(&op.workflow_id)
+        .bind(&op.run_id)
+        .bind(op.step.map(|s| s as i64))
+        .bind(&op.tool)
+        .bind(&op.intent)
+        .bind(&op.entity.kind)
+        .bind(&op.entity.id)
+        .bind(&op.entity_key)
+        .bind(Json(&op.canonical_args))
+        .bind(op.side_effect_class.as_str())
+        .bind(op.status.as_str())
+        .bind(op.attempt_count as i32)
+        .bind(op.first_attempt_at)
+        .bind(op.next_attempt_at)
+        .bind(op.unknown_since)
+        .bind(&op.lease_owner)
+        .bind(op.lease_expires_at)
+        .bind(op.lease_epoch)
+        .bind(&op.external_request_id)
+        .bind(&op.external_object_id)
+        .bind(op.result.as_ref().map(Json))
+        .bind(op.error.as_ref().map(Json))
+        .bind(op.compensates)
+        .bind(&op.traceparent)
+        .bind(op.result_seq)
+        .bind(op.created_at)
+        .bind(op.updated_at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 FOR UPDATE"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn lock_operation_by_key(
+        &mut self,
+        namespace: &str,
+        key: &str,
+    ) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE namespace = $1 AND idempotency_key = $2 FOR UPDATE"
+        ))
+        .bind(namespace)
+        .bind(key)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn update_operation(&mut self, op: &Operation) -> Result<()> {
+        sqlx::query(
+            "UPDATE operations SET status = $2, attempt_count = $3, first_attempt_at = $4, \
+             next_attempt_at = $5, unknown_since = $6, lease_owner = $7, lease_expires_at = $8, \
+             lease_epoch = $9, external_request_id = $10, external_object_id = $11, result = $12, \
+             error = $13, result_seq = $14, updated_at = $15 WHERE operation_id = $1",
+        )
+        .bind(op.operation_id)
+        .bind(op.status.as_str())
+        .bind(op.attempt_count as i32)
+        .bind(op.first_attempt_at)
+        .bind(op.next_attempt_at)
+        .bind(op.unknown_since)
+        .bind(&op.lease_owner)
+        .bind(op.lease_expires_at)
+        .bind(op.lease_epoch)
+        .bind(&op.external_request_id)
+        .bind(&op.external_object_id)
+        .bind(op.result.as_ref().map(Json))
+        .bind(op.error.as_ref().map(Json))
+        .bind(op.result_seq)
+        .bind(op.updated_at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn insert_event(&mut self, e: &NewEvent<'_>) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO operation_events (operation_id, from_status, to_status, reason, attempt_id, \
+             epoch, actor, at, detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(e.operation_id)
+        .bind(e.from.map(Status::as_str))
+        .bind(e.to.as_str())
+        .bind(e.reason)
+        .bind(e.attempt_id)
+        .bind(e.epoch)
+        .bind(e.actor)
+        .bind(e.at)
+        .bind(e.detail.as_ref().map(Json))
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn insert_attempt(&mut self, a: &NewAttempt<'_>) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO attempts (attempt_id, operation_id, number, epoch, worker, started_at) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(a.attempt_id)
+        .bind(a.operation_id)
+        .bind(a.number as i32)
+        .bind(a.epoch)
+        .bind(a.worker)
+        .bind(a.started_at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn finish_attempt(
+        &mut self,
+        operation_id: Uuid,
+        attempt_id: Uuid,
+        r: &AttemptReport,
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE attempts SET finished_at = $3, outcome = $4, http_status = $5, error_category = $6, \
+             latency_ms = $7, provider_request_id = $8 WHERE attempt_id = $1 AND operation_id = $2",
+        )
+        .bind(attempt_id)
+        .bind(operation_id)
+        .bind(at)
+        .bind(&r.outcome)
+        .bind(r.http_status.map(i32::from))
+        .bind(&r.error_category)
+        .bind(r.latency.map(millis))
+        .bind(&r.provider_request_id)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn put_queue(
+        &mut self,
+        op: &Operation,
+        state: QueueState,
+        ready_at: OffsetDateTime,
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        let finished_at = (state == QueueState::Done).then_some(at);
+        sqlx::query(
+            "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, ready_at, finished_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (operation_id) DO UPDATE \
+             SET state = EXCLUDED.state, ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
+        )
+        .bind(op.operation_id)
+        .bind(&op.entity_key)
+        .bind(!op.side_effect_class.is_write())
+        .bind(op.compensates)
+        .bind(state.as_str())
+        .bind(ready_at)
+        .bind(finished_at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn insert_outbox(&mut self, row: &NewOutbox) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(row.operation_id)
+        .bind(row.seq)
+        .bind(&row.status)
+        .bind(&row.kafka_key)
+        .bind(Json(&row.payload))
+        .bind(row.at)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    async fn pick_claimable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT q.operation_id FROM dispatch_queue q \
+             WHERE q.state = 'waiting' AND q.ready_at <= $1 \
+               AND (q.is_read OR NOT EXISTS ( \
+                   SELECT 1 FROM dispatch_queue p \
+                   WHERE p.entity_key = q.entity_key AND NOT p.is_read \
+                     AND p.operation_id <> q.operation_id \
+                     AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
+                     AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq)))) \
+             ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.0)
+        .await?)
+    }
+
+    async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT operation_id FROM operations WHERE status = 'dispatched' AND lease_expires_at < $1 \
+             ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.0)
+        .await?)
+    }
+
+    async fn pick_reconcilable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT operation_id FROM operations \
+             WHERE status IN ('unknown_outcome', 'acknowledged') \
+               AND (next_attempt_at IS NULL OR next_attempt_at <= $1) \
+               AND (lease_expires_at IS NULL OR lease_expires_at < $1) \
+             ORDER BY next_attempt_at NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.0)
+        .await?)
+    }
+}
+
+fn event_from_row(row: &PgRow) -> Result<OperationEvent> {
+    let to: String = row.try_get("to_status")?;
+    let from: Option<String> = row.try_get("from_status")?;
+    Ok(OperationEvent {
+        event_seq: row.try_get("event_seq")?,
+        from: from
+            .map(|f| Status::parse(&f).ok_or_else(|| corrupt("from_status", &f)))
+            .transpose()?,
+        to: Status::parse(&to).ok_or_else(|| corrupt("to_status", &to))?,
+        reason: row.try_get("reason")?,
+        attempt_id: row.try_get("attempt_id")?,
+        epoch: row.try_get("epoch")?,
+        actor: row.try_get("actor")?,
+        at: row.try_get("at")?,
+        detail: row
+            .try_get::<Option<Json<Value>>, _>("detail")?
+            .map(|j| j.0),
+    })
+}
+
+fn attempt_from_row(row: &PgRow) -> Result<Attempt> {
+    let outcome: Option<String> = row.try_get("outcome")?;
+    Ok(Attempt {
+        attempt_id: row.try_get("attempt_id")?,
+        number: row.try_get::<i32, _>("number")? as u32,
+        epoch: row.try_get("epoch")?,
+        worker: row.try_get("worker")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+        report: match outcome {
+            None => None,
+            Some(outcome) => Some(AttemptReport {
+                outcome,
+                http_status: row
+                    .try_get::<Option<i32>, _>("http_status")?
+                    .map(|s| s as u16),
+                error_category: row.try_get("error_category")?,
+                latency: row
+                    .try_get::<Option<i64>, _>("latency_ms")?
+                    .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+                provider_request_id: row.try_get("provider_request_id")?,
+            }),
+        },
+    })
+}
+
+#[async_trait::async_trait]
+impl Ledger for PgLedger {
+    async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
+        in_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
+    }
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
+        in_tx!(self, |tx| flow::claim(&mut tx, request).await?)
+    }
+
+    async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
+        in_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
+    }
+
+    async fn claim_reconcile(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
+        in_tx!(self, |tx| flow::claim_reconcile(&mut tx, request).await?)
+    }
+
+    async fn apply(&self, command: &Command) -> Result<Operation> {
+        in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+    }
+
+    async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
+        let rows = sqlx::query(
+            "UPDATE result_outbox SET claimed_by = $1, claimed_until = now() + $2 * interval '1 millisecond' \
+             WHERE id IN (SELECT id FROM result_outbox \
+                          WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
+                          ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             RETURNING id, operation_id, seq, status, kafka_key, payload",
+        )
+        .bind(&request.owner)
+        .bind(millis(request.lease))
+        .bind(request.limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = rows
+            .iter()
+            .map(|row| {
+                Ok(OutboxRow {
+                    id: row.try_get("id")?,
+                    operation_id: row.try_get("operation_id")?,
+                    seq: row.try_get("seq")?,
+                    status: row.try_get("status")?,
+                    kafka_key: row.try_get("kafka_key")?,
+                    payload: row.try_get::<Json<Value>, _>("payload")?.0,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.sort_by_key(|r| r.id);
+        Ok(out)
+    }
+
+    async fn mark_published(&self, ids: &[i64]) -> Result<()> {
+        sqlx::query(
+            "UPDATE result_outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+        )
+        .bind(ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn operation(&self, id: Uuid) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn operation_by_key(&self, namespace: &str, key: &str) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE namespace = $1 AND idempotency_key = $2"
+        ))
+        .bind(namespace)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn events(&self, id: Uuid) -> Result<Vec<OperationEvent>> {
+        sqlx::query(
+            "SELECT event_seq, from_status, to_status, reason, attempt_id, epoch, actor, at, detail \
+             FROM operation_events WHERE operation_id = $1 ORDER BY event_seq",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(event_from_row)
+        .collect()
+    }
+
+    async fn attempts(&self, id: Uuid) -> Result<Vec<Attempt>> {
+        sqlx::query(
+            "SELECT attempt_id, number, epoch, worker, started_at, finished_at, outcome, http_status, \
+             error_category, latency_ms, provider_request_id FROM attempts WHERE operation_id = $1 \
+             ORDER BY number",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(attempt_from_row)
+        .collect()
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page> {
+        let limit = page_size(filter);
+        let cursor = parse_cursor(filter)?;
+        let rows = sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations \
+             WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR tool = $2) \
+               AND ($3::text IS NULL OR entity_type || ':' || entity_id = $3) \
+               AND ($4::text IS NULL OR namespace = $4) AND ($5::text IS NULL OR idempotency_key = $5) \
+               AND ($6::uuid IS NULL OR operation_id < $6) \
+             ORDER BY operation_id DESC LIMIT $7"
+        ))
+        .bind(filter.status.map(Status::as_str))
+        .bind(&filter.tool)
+        .bind(&filter.entity)
+        .bind(&filter.namespace)
+        .bind(&filter.idempotency_key)
+        .bind(cursor)
+        .bind(limit as i64 + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let operations = rows.iter().map(op_from_row).collect::<Result<Vec<_>>>()?;
+        Ok(paginate(operations, limit))
+    }
+
+    async fn reap(&self, retention: Duration) -> Result<ReapStats> {
+        let ms = millis(retention);
+        in_tx!(self, |tx| {
+            let inbox = sqlx::query(
+                "DELETE FROM inbox WHERE received_at < now() - $1 * interval '1 millisecond'",
+            )
+            .bind(ms)
+            .execute(&mut *tx.0)
+            .await?
+            .rows_affected();
+            let queue = sqlx::query(
+                "DELETE FROM dispatch_queue WHERE state = 'done' \
+                 AND finished_at < now() - $1 * interval '1 millisecond'",
+            )
+            .bind(ms)
+            .execute(&mut *tx.0)
+            .await?
+            .rows_affected();
+            let results = sqlx::query(
+                "DELETE FROM result_outbox WHERE published_at < now() - $1 * interval '1 millisecond'",
+            )
+            .bind(ms)
+            .execute(&mut *tx.0)
+            .await?
+            .rows_affected();
+            ReapStats {
+                inbox,
+                queue,
+                results,
+            }
+        })
+    }
+
+    async fn schema_status(&self) -> Result<SchemaStatus> {
+        let found: Option<i64> = match sqlx::query_scalar(schema::APPLIED_VERSION)
+            .fetch_one(&self.pool)
+            .await
+        {
+            Ok(v) => v,
+            // 42P01: undefined_table, never migrated.
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => None,
+            Err(e) => return Err(e.into()),
+        };
+        Ok(SchemaStatus::new(found, &schema::POSTGRES))
+    }
+}
+
+pub(crate) fn page_size(filter: &ListFilter) -> usize {
+    filter.limit.unwrap_or(50).clamp(1, 500)
+}
+
+pub(crate) fn parse_cursor(filter: &ListFilter) -> Result<Option<Uuid>> {
+    filter
+        .cursor
+        .as_deref()
+        .map(|c| Uuid::parse_str(c).map_err(|_| Error::Corrupt(format!("bad cursor {c:?}"))))
+        .transpose()
+}
+
+pub(crate) fn paginate(mut operations: Vec<Operation>, limit: usize) -> Page {
+    let next_cursor = if operations.len() > limit {
+        operations.truncate(limit);
+        operations.last().map(|o| o.operation_id.to_string())
+    } else {
+        None
+    };
+    Page {
+        operations,
+        next_cursor,
+    }
+}

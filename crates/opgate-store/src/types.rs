@@ -1,0 +1,313 @@
+//! The values that cross the [`crate::Ledger`] port.
+
+use std::time::Duration;
+
+use opgate_core::{ErrorInfo, Event, Operation, Status};
+use serde_json::Value;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// The ledger's decision for one proposal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IngestDecision {
+    /// A new operation.
+    Accepted,
+    /// A duplicate: `inbox` (same event id redelivered) or `key` (same business identity).
+    Deduplicated {
+        /// `inbox` or `key`.
+        reason: String,
+    },
+    /// Refused: an ingest reason such as `unknown_tool`, or `key_conflict`.
+    Rejected {
+        /// Machine-readable reason.
+        reason: String,
+    },
+}
+
+impl IngestDecision {
+    /// The inbox column spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Accepted => "accepted",
+            Self::Deduplicated { .. } => "deduplicated",
+            Self::Rejected { .. } => "rejected",
+        }
+    }
+
+    /// The reason, for dedupes and rejections.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Self::Accepted => None,
+            Self::Deduplicated { reason } | Self::Rejected { reason } => Some(reason),
+        }
+    }
+
+    pub(crate) fn from_row(decision: &str, reason: Option<String>) -> Self {
+        let reason = reason.unwrap_or_default();
+        match decision {
+            "accepted" => Self::Accepted,
+            "deduplicated" => Self::Deduplicated { reason },
+            _ => Self::Rejected { reason },
+        }
+    }
+}
+
+/// What ingest did with one proposal.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IngestOutcome {
+    /// The proposal's event id.
+    pub event_id: String,
+    /// The decision.
+    pub decision: IngestDecision,
+    /// Whether this call only found an earlier inbox row (a redelivery).
+    pub inbox_hit: bool,
+    /// The operation the proposal maps to, as it stands after the batch.
+    pub operation: Option<Operation>,
+}
+
+/// A request for leased work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// Who holds the lease (process id, host).
+    pub owner: String,
+    /// Lease length on the database clock.
+    pub lease: Duration,
+    /// Most items to return.
+    pub limit: usize,
+}
+
+/// A leased operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    /// The operation after the claim (epoch bumped, lease set).
+    pub operation: Operation,
+    /// The attempt row persisted for a dispatch claim (`None` for reconcile claims).
+    pub attempt_id: Option<Uuid>,
+    /// When the first attempt started (for the retry budget's `max_elapsed`).
+    pub first_attempt_at: Option<OffsetDateTime>,
+    /// The database clock at claim time.
+    pub claimed_at: OffsetDateTime,
+}
+
+impl Claim {
+    /// The fencing epoch to present when recording.
+    pub fn epoch(&self) -> i64 {
+        self.operation.lease_epoch
+    }
+}
+
+/// What a dispatch attempt observed, for the attempts table.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AttemptReport {
+    /// Outcome label (`committed`, `not_sent`, `timeout_after_send`, ...).
+    pub outcome: String,
+    /// HTTP status, if any.
+    pub http_status: Option<u16>,
+    /// Error category, if any.
+    pub error_category: Option<String>,
+    /// Call latency.
+    pub latency: Option<Duration>,
+    /// The provider's request id.
+    pub provider_request_id: Option<String>,
+}
+
+/// An outcome to record for a leased operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recording {
+    /// The operation.
+    pub operation_id: Uuid,
+    /// The epoch of the caller's lease; a newer epoch in the ledger rejects the recording.
+    pub epoch: i64,
+    /// The event to apply.
+    pub event: Event,
+    /// Why, for the history (`committed`, `timeout_after_send`, `lookup_found`, ...).
+    pub reason: String,
+    /// The attempt this finishes, with what it observed.
+    pub attempt: Option<(Uuid, AttemptReport)>,
+    /// Delay before the next attempt or lookup (retries, acknowledged, still unknown).
+    pub next_in: Option<Duration>,
+    /// The normalized result.
+    pub result: Option<Value>,
+    /// The provider's object id.
+    pub external_object_id: Option<String>,
+    /// The provider's request id.
+    pub external_request_id: Option<String>,
+    /// The error, if any (cleared on success when `None`).
+    pub error: Option<ErrorInfo>,
+}
+
+impl Recording {
+    /// A recording with only the required parts.
+    pub fn new(operation_id: Uuid, epoch: i64, event: Event, reason: impl Into<String>) -> Self {
+        Self {
+            operation_id,
+            epoch,
+            event,
+            reason: reason.into(),
+            attempt: None,
+            next_in: None,
+            result: None,
+            external_object_id: None,
+            external_request_id: None,
+            error: None,
+        }
+    }
+}
+
+/// A command from a person or the admin API.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Command {
+    /// The operation.
+    pub operation_id: Uuid,
+    /// The event (approve, reject, cancel, resolve, compensation events).
+    pub event: Event,
+    /// Who (token name or user).
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// A result to set (e.g. when resolving as succeeded).
+    pub result: Option<Value>,
+}
+
+/// One row of the result outbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    /// Row id (publication order).
+    pub id: i64,
+    /// Operation, if any.
+    pub operation_id: Option<Uuid>,
+    /// Per-operation sequence number.
+    pub seq: i64,
+    /// Status carried.
+    pub status: String,
+    /// Kafka key (`{entity_type}:{entity_id}`).
+    pub kafka_key: String,
+    /// The result message.
+    pub payload: Value,
+}
+
+/// One history entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OperationEvent {
+    /// Global order.
+    pub event_seq: i64,
+    /// Previous state (`None` at creation).
+    pub from: Option<Status>,
+    /// New state.
+    pub to: Status,
+    /// Why.
+    pub reason: String,
+    /// The attempt involved.
+    pub attempt_id: Option<Uuid>,
+    /// Epoch at the time.
+    pub epoch: i64,
+    /// Who, for commands.
+    pub actor: Option<String>,
+    /// When (database clock).
+    pub at: OffsetDateTime,
+    /// Extra detail.
+    pub detail: Option<Value>,
+}
+
+/// One dispatch attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attempt {
+    /// Attempt id (sent to the tool).
+    pub attempt_id: Uuid,
+    /// 1-based number.
+    pub number: u32,
+    /// Epoch of the claim that made it.
+    pub epoch: i64,
+    /// Worker.
+    pub worker: String,
+    /// Started (before the tool was called).
+    pub started_at: OffsetDateTime,
+    /// Finished, once recorded.
+    pub finished_at: Option<OffsetDateTime>,
+    /// What it observed.
+    pub report: Option<AttemptReport>,
+}
+
+/// Filter and page for [`crate::Ledger::list`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    /// Status.
+    pub status: Option<Status>,
+    /// Tool.
+    pub tool: Option<String>,
+    /// Entity, as `{type}:{id}`.
+    pub entity: Option<String>,
+    /// Namespace.
+    pub namespace: Option<String>,
+    /// Idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Page size (default 50, at most 500).
+    pub limit: Option<usize>,
+    /// Cursor from the previous page.
+    pub cursor: Option<String>,
+}
+
+/// A page of operations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page {
+    /// Operations, newest first.
+    pub operations: Vec<Operation>,
+    /// Cursor for the next page, if there is one.
+    pub next_cursor: Option<String>,
+}
+
+/// What the reaper deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReapStats {
+    /// Inbox rows.
+    pub inbox: u64,
+    /// Finished queue rows.
+    pub queue: u64,
+    /// Published result rows.
+    pub results: u64,
+}
+
+/// The dispatch-queue state that goes with an operation state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QueueState {
+    /// Awaiting approval: neither claimable nor blocking.
+    Parked,
+    /// Claimable when ready and at the head of its entity.
+    Waiting,
+    /// Leased to a dispatcher.
+    Inflight,
+    /// Ambiguous or with a person: blocks its entity, not claimable.
+    Held,
+    /// Finished.
+    Done,
+}
+
+impl QueueState {
+    pub(crate) fn of(status: Status) -> Self {
+        match status {
+            Status::AwaitingApproval => Self::Parked,
+            Status::PendingDispatch | Status::FailedRetryable => Self::Waiting,
+            Status::Dispatched => Self::Inflight,
+            Status::Acknowledged
+            | Status::UnknownOutcome
+            | Status::NeedsAttention
+            | Status::Compensating => Self::Held,
+            Status::CompletedSuccess
+            | Status::CompletedNoop
+            | Status::FailedPermanent
+            | Status::Rejected
+            | Status::Cancelled
+            | Status::Compensated => Self::Done,
+        }
+    }
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Parked => "parked",
+            Self::Waiting => "waiting",
+            Self::Inflight => "inflight",
+            Self::Held => "held",
+            Self::Done => "done",
+        }
+    }
+}

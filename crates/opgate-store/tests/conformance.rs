@@ -1,0 +1,1029 @@
+//! The storage conformance suite: one generic function per behaviour, run against
+//! SQLite always and against PostgreSQL with `--features integration`
+//! (`OPGATE_TEST_DATABASE_URL`), each test on a fresh database or schema.
+
+#![allow(missing_docs)]
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opgate_core::{Event, Resolution, Status};
+use opgate_store::{Command, Error, IngestDecision, Ledger, ListFilter, Recording};
+use serde_json::json;
+use support::{Harness, claim_request, item, item_with, pay};
+
+const LONG: Duration = Duration::from_secs(300);
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::support::sqlite().await).await;
+                }
+            )*
+        }
+        #[cfg(feature = "integration")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::support::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    duplicate_event_id_is_an_inbox_hit,
+    duplicate_key_from_another_event_is_a_dedupe_hit,
+    concurrent_ingest_of_one_key_makes_one_operation,
+    racing_claimers_never_double_claim_an_operation_or_entity,
+    claims_are_fifo_per_entity,
+    stale_epoch_is_rejected,
+    lease_expiry_is_visible_to_the_reconciler,
+    illegal_transition_is_refused,
+    result_outbox_covers_every_decision_and_transition,
+    reads_never_wait_for_their_entity,
+    approval_parks_until_approved,
+    workflow_step_key_conflict_is_rejected,
+    an_ambiguity_holds_its_entity_until_resolved,
+    retries_are_durable_and_keep_entity_order,
+    the_schema_enforces_one_write_in_flight_per_entity,
+    the_schema_refuses_unknown_states,
+    schema_version_is_checked,
+    reaper_deletes_only_past_retention,
+    list_filters_and_paginates,
+    recording_keeps_attempt_and_result_details,
+);
+
+async fn ops_count(h: &Harness) -> i64 {
+    h.count("SELECT COUNT(*) FROM operations").await
+}
+
+async fn claim_one(ledger: &dyn Ledger, owner: &str) -> opgate_store::Claim {
+    let mut claims = ledger
+        .claim(&claim_request(owner, LONG, 1))
+        .await
+        .expect("claim");
+    assert_eq!(claims.len(), 1, "expected one claimable operation");
+    claims.remove(0)
+}
+
+async fn record_ok(ledger: &dyn Ledger, rec: Recording) -> opgate_core::Operation {
+    ledger
+        .record(&[rec])
+        .await
+        .expect("record batch")
+        .remove(0)
+        .expect("recording accepted")
+}
+
+async fn duplicate_event_id_is_an_inbox_hit(h: Harness) {
+    let l = h.ledger.as_ref();
+    let first = l.ingest(&[pay("e1", "o1", "49.00")]).await.expect("ingest");
+    assert_eq!(first[0].decision, IngestDecision::Accepted);
+    assert!(!first[0].inbox_hit);
+    let again = l
+        .ingest(&[pay("e1", "o1", "49.00"), pay("e1", "o1", "49.00")])
+        .await
+        .expect("ingest");
+    for outcome in &again {
+        assert!(outcome.inbox_hit);
+        assert_eq!(
+            outcome.decision,
+            IngestDecision::Accepted,
+            "the original decision"
+        );
+        assert_eq!(
+            outcome.operation.as_ref().map(|o| o.operation_id),
+            first[0].operation.as_ref().map(|o| o.operation_id)
+        );
+    }
+    assert_eq!(ops_count(&h).await, 1);
+    assert_eq!(h.count("SELECT COUNT(*) FROM inbox").await, 1);
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM result_outbox").await,
+        1,
+        "a redelivery publishes nothing new"
+    );
+}
+
+async fn duplicate_key_from_another_event_is_a_dedupe_hit(h: Harness) {
+    let l = h.ledger.as_ref();
+    let out = l
+        .ingest(&[
+            pay("e1", "o1", "49.00"),
+            pay("e2", "o1", "49"),
+            pay("e3", "o1", "50"),
+        ])
+        .await
+        .expect("ingest");
+    let id = |i: usize| out[i].operation.as_ref().expect("operation").operation_id;
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(
+        out[1].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        }
+    );
+    assert_eq!(out[2].decision, IngestDecision::Accepted);
+    assert_eq!(id(0), id(1));
+    assert_ne!(id(0), id(2));
+    assert_eq!(ops_count(&h).await, 2);
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 10))
+        .await
+        .expect("results");
+    let dedupe = rows
+        .iter()
+        .find(|r| r.payload["event_id"] == "e2")
+        .expect("result for e2");
+    assert_eq!(
+        dedupe.payload["dedupe"],
+        json!({"hit": true, "reason": "key"})
+    );
+    assert_eq!(dedupe.operation_id, Some(id(0)));
+    assert_eq!(dedupe.seq, 2);
+}
+
+async fn concurrent_ingest_of_one_key_makes_one_operation(h: Harness) {
+    for round in 0..5 {
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let mut tasks = tokio::task::JoinSet::new();
+        for n in 0..8 {
+            let ledger = h.ledger.clone();
+            let barrier = barrier.clone();
+            tasks.spawn(async move {
+                let item = pay(
+                    &format!("r{round}-e{n}"),
+                    &format!("order-{round}"),
+                    "10.00",
+                );
+                barrier.wait().await;
+                ledger.ingest(&[item]).await.expect("ingest").remove(0)
+            });
+        }
+        let outcomes = tasks.join_all().await;
+        let accepted = outcomes
+            .iter()
+            .filter(|o| o.decision == IngestDecision::Accepted)
+            .count();
+        assert_eq!(
+            accepted, 1,
+            "round {round}: exactly one proposal creates the operation"
+        );
+        let ids: HashSet<_> = outcomes
+            .iter()
+            .map(|o| o.operation.as_ref().expect("operation").operation_id)
+            .collect();
+        assert_eq!(
+            ids.len(),
+            1,
+            "round {round}: every proposal maps to one operation"
+        );
+    }
+    assert_eq!(ops_count(&h).await, 5);
+}
+
+async fn racing_claimers_never_double_claim_an_operation_or_entity(h: Harness) {
+    let mut batch = Vec::new();
+    for entity in 0..10 {
+        for n in 0..5 {
+            batch.push(pay(
+                &format!("e{entity}-{n}"),
+                &format!("o{entity}"),
+                &format!("{}", n + 1),
+            ));
+        }
+    }
+    h.ledger.ingest(&batch).await.expect("ingest");
+    let in_flight = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let claimed = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for worker in 0..4 {
+        let ledger = h.ledger.clone();
+        let in_flight = in_flight.clone();
+        let claimed = claimed.clone();
+        tasks.spawn(async move {
+            let owner = format!("worker-{worker}");
+            let mut idle = 0;
+            while idle < 20 {
+                let claims = ledger
+                    .claim(&claim_request(&owner, LONG, 3))
+                    .await
+                    .expect("claim");
+                if claims.is_empty() {
+                    idle += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                idle = 0;
+                for c in &claims {
+                    let fresh = in_flight
+                        .lock()
+                        .expect("lock")
+                        .insert(c.operation.entity_key.clone());
+                    assert!(
+                        fresh,
+                        "entity {} claimed while in flight",
+                        c.operation.entity_key
+                    );
+                    claimed.lock().expect("lock").push(c.operation.operation_id);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                let recs: Vec<_> = claims
+                    .iter()
+                    .map(|c| {
+                        // Leave the in-flight set before the outcome commits, so the next
+                        // claim of this entity can only happen after we left it.
+                        in_flight
+                            .lock()
+                            .expect("lock")
+                            .remove(&c.operation.entity_key);
+                        Recording::new(
+                            c.operation.operation_id,
+                            c.epoch(),
+                            Event::Succeed,
+                            "committed",
+                        )
+                    })
+                    .collect();
+                for r in ledger.record(&recs).await.expect("record") {
+                    r.expect("accepted");
+                }
+            }
+        });
+    }
+    tasks.join_all().await;
+    let claimed = claimed.lock().expect("lock").clone();
+    assert_eq!(claimed.len(), 50, "every operation claimed once");
+    assert_eq!(
+        claimed.iter().collect::<HashSet<_>>().len(),
+        50,
+        "no operation claimed twice"
+    );
+    assert_eq!(h.count("SELECT COUNT(*) FROM operations WHERE status = 'completed_success' AND attempt_count = 1").await, 50);
+}
+
+async fn claims_are_fifo_per_entity(h: Harness) {
+    let l = h.ledger.as_ref();
+    let mut batch: Vec<_> = (1..=5)
+        .map(|n| pay(&format!("a{n}"), "A", &n.to_string()))
+        .collect();
+    batch.push(pay("b1", "B", "1"));
+    let ingested = l.ingest(&batch).await.expect("ingest");
+    let a_ids: Vec<_> = ingested[..5]
+        .iter()
+        .map(|o| o.operation.as_ref().expect("op").operation_id)
+        .collect();
+    let first = l.claim(&claim_request("w", LONG, 10)).await.expect("claim");
+    let entities: Vec<_> = first
+        .iter()
+        .map(|c| c.operation.entity.id.as_str())
+        .collect();
+    assert_eq!(first.len(), 2, "one head per entity: {entities:?}");
+    let mut order = Vec::new();
+    let mut current = first
+        .into_iter()
+        .find(|c| c.operation.entity.id == "A")
+        .expect("A head");
+    loop {
+        order.push(current.operation.operation_id);
+        record_ok(
+            l,
+            Recording::new(
+                current.operation.operation_id,
+                current.epoch(),
+                Event::Succeed,
+                "ok",
+            ),
+        )
+        .await;
+        let next = l.claim(&claim_request("w", LONG, 10)).await.expect("claim");
+        assert!(
+            next.len() <= 1,
+            "only A remains and only its head is claimable"
+        );
+        match next.into_iter().next() {
+            Some(c) => current = c,
+            None => break,
+        }
+    }
+    assert_eq!(order, a_ids, "A's operations ran in ingest order");
+}
+
+async fn stale_epoch_is_rejected(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1")]).await.expect("ingest");
+    let claim = l
+        .claim(&claim_request("w1", Duration::from_millis(1), 1))
+        .await
+        .expect("claim")
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let reconcile = l
+        .claim_reconcile(&claim_request("r1", LONG, 10))
+        .await
+        .expect("reconcile")
+        .remove(0);
+    assert!(reconcile.epoch() > claim.epoch());
+    let late = l
+        .record(&[Recording::new(
+            claim.operation.operation_id,
+            claim.epoch(),
+            Event::Succeed,
+            "late",
+        )])
+        .await
+        .expect("batch")
+        .remove(0);
+    assert!(
+        matches!(late, Err(Error::StaleEpoch { presented, current, .. }) if presented == claim.epoch() && current == reconcile.epoch()),
+        "{late:?}"
+    );
+    let op = record_ok(
+        l,
+        Recording::new(
+            reconcile.operation.operation_id,
+            reconcile.epoch(),
+            Event::Succeed,
+            "lookup_found",
+        ),
+    )
+    .await;
+    assert_eq!(op.status, Status::CompletedSuccess);
+}
+
+async fn lease_expiry_is_visible_to_the_reconciler(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1"), pay("e2", "o2", "1")])
+        .await
+        .expect("ingest");
+    let short = l
+        .claim(&claim_request("crashy", Duration::from_millis(1), 1))
+        .await
+        .expect("claim")
+        .remove(0);
+    let _long = l
+        .claim(&claim_request("healthy", LONG, 1))
+        .await
+        .expect("claim")
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let claims = l
+        .claim_reconcile(&claim_request("reconciler", LONG, 10))
+        .await
+        .expect("reconcile");
+    assert_eq!(claims.len(), 1, "only the expired lease");
+    let op = &claims[0].operation;
+    assert_eq!(op.operation_id, short.operation.operation_id);
+    assert_eq!(op.status, Status::UnknownOutcome);
+    assert_eq!(op.lease_owner.as_deref(), Some("reconciler"));
+    assert_eq!(
+        op.error.as_ref().map(|e| e.category.as_str()),
+        Some("lease_expired")
+    );
+    let events = l.events(op.operation_id).await.expect("events");
+    let last = events.last().expect("events");
+    assert_eq!(
+        (last.from, last.to, last.reason.as_str()),
+        (
+            Some(Status::Dispatched),
+            Status::UnknownOutcome,
+            "lease_expired"
+        )
+    );
+    assert!(
+        l.claim_reconcile(&claim_request("other", LONG, 10))
+            .await
+            .expect("reconcile")
+            .is_empty(),
+        "leased to the first reconciler"
+    );
+}
+
+async fn illegal_transition_is_refused(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1")]).await.expect("ingest");
+    let c = claim_one(l, "w").await;
+    let id = c.operation.operation_id;
+    let refused = l
+        .record(&[Recording::new(id, c.epoch(), Event::Approve, "nonsense")])
+        .await
+        .expect("batch")
+        .remove(0);
+    assert!(
+        matches!(refused, Err(Error::IllegalTransition { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(
+        l.operation(id).await.expect("read").expect("exists").status,
+        Status::Dispatched
+    );
+    record_ok(l, Recording::new(id, c.epoch(), Event::Succeed, "ok")).await;
+    let again = l
+        .record(&[Recording::new(id, c.epoch(), Event::Succeed, "twice")])
+        .await
+        .expect("batch")
+        .remove(0);
+    assert!(
+        matches!(again, Err(Error::IllegalTransition { .. })),
+        "{again:?}"
+    );
+    let cmd = Command {
+        operation_id: id,
+        event: Event::Cancel,
+        actor: "ops".into(),
+        reason: "too late".into(),
+        result: None,
+    };
+    assert!(matches!(
+        l.apply(&cmd).await,
+        Err(Error::IllegalTransition { .. })
+    ));
+    assert_eq!(
+        l.events(id).await.expect("events").len(),
+        3,
+        "ingested, claimed, succeeded; nothing else"
+    );
+}
+
+async fn result_outbox_covers_every_decision_and_transition(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[
+        pay("e1", "o1", "1"),
+        pay("e2", "o1", "1.00"),
+        item("e3", "no_such_tool", ("order", "o9"), json!({})),
+    ])
+    .await
+    .expect("ingest");
+    let c = claim_one(l, "w").await;
+    record_ok(
+        l,
+        Recording::new(c.operation.operation_id, c.epoch(), Event::Succeed, "ok"),
+    )
+    .await;
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 100))
+        .await
+        .expect("results");
+    let seen: Vec<_> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.payload["event_id"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                r.status.clone(),
+                r.seq,
+                r.kafka_key.clone(),
+            )
+        })
+        .collect();
+    let expected = vec![
+        (
+            "e1".to_owned(),
+            "pending_dispatch".to_owned(),
+            1,
+            "order:o1".to_owned(),
+        ),
+        (
+            "e2".to_owned(),
+            "pending_dispatch".to_owned(),
+            2,
+            "order:o1".to_owned(),
+        ),
+        (
+            "e3".to_owned(),
+            "rejected".to_owned(),
+            0,
+            "order:o9".to_owned(),
+        ),
+        (
+            "e1".to_owned(),
+            "dispatched".to_owned(),
+            3,
+            "order:o1".to_owned(),
+        ),
+        (
+            "e1".to_owned(),
+            "completed_success".to_owned(),
+            4,
+            "order:o1".to_owned(),
+        ),
+    ];
+    assert_eq!(seen, expected);
+    let rejected = &rows[2].payload;
+    assert_eq!(rejected["error"]["category"], "unknown_tool");
+    assert_eq!(rejected["operation_id"], json!(null));
+    assert_eq!(
+        rows[0].payload["traceparent"],
+        json!("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert!(
+        l.claim_results(&claim_request("relay2", LONG, 100))
+            .await
+            .expect("results")
+            .is_empty(),
+        "leased rows are not handed out twice"
+    );
+    l.mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark");
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM result_outbox WHERE published_at IS NULL")
+            .await,
+        0
+    );
+}
+
+async fn reads_never_wait_for_their_entity(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[
+        item(
+            "w1",
+            "email",
+            ("user", "u1"),
+            json!({"to": "a@b.c", "n": 1}),
+        ),
+        item(
+            "w2",
+            "email",
+            ("user", "u1"),
+            json!({"to": "a@b.c", "n": 2}),
+        ),
+        item("r1", "lookup", ("user", "u1"), json!({"q": 1})),
+    ])
+    .await
+    .expect("ingest");
+    let claims = l.claim(&claim_request("w", LONG, 10)).await.expect("claim");
+    let tools: Vec<_> = claims
+        .iter()
+        .map(|c| (c.operation.tool.as_str(), c.operation.event_id.as_str()))
+        .collect();
+    assert_eq!(tools.len(), 2, "{tools:?}");
+    assert!(
+        tools.contains(&("email", "w1")) && tools.contains(&("lookup", "r1")),
+        "{tools:?}"
+    );
+}
+
+async fn approval_parks_until_approved(h: Harness) {
+    let l = h.ledger.as_ref();
+    let out = l
+        .ingest(&[item("e1", "refund", ("order", "o1"), json!({"amount": 5}))])
+        .await
+        .expect("ingest");
+    let op = out[0].operation.clone().expect("op");
+    assert_eq!(op.status, Status::AwaitingApproval);
+    assert!(
+        l.claim(&claim_request("w", LONG, 10))
+            .await
+            .expect("claim")
+            .is_empty()
+    );
+    let approved = l
+        .apply(&Command {
+            operation_id: op.operation_id,
+            event: Event::Approve,
+            actor: "alice".into(),
+            reason: "ok".into(),
+            result: None,
+        })
+        .await
+        .expect("approve");
+    assert_eq!(approved.status, Status::PendingDispatch);
+    let c = claim_one(l, "w").await;
+    assert_eq!(c.operation.operation_id, op.operation_id);
+    let events = l.events(op.operation_id).await.expect("events");
+    assert_eq!(events[1].actor.as_deref(), Some("alice"));
+}
+
+async fn workflow_step_key_conflict_is_rejected(h: Harness) {
+    let l = h.ledger.as_ref();
+    let wf = json!({"workflow_id": "wf-1", "step": 2});
+    let out = l
+        .ingest(&[
+            item_with(
+                "e1",
+                "ticket",
+                ("account", "a1"),
+                json!({"title": "Refund"}),
+                wf.clone(),
+            ),
+            item_with(
+                "e2",
+                "ticket",
+                ("account", "a1"),
+                json!({"title": "Refund"}),
+                wf.clone(),
+            ),
+            item_with(
+                "e3",
+                "ticket",
+                ("account", "a1"),
+                json!({"title": "Refund please"}),
+                wf,
+            ),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(
+        out[1].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        }
+    );
+    assert_eq!(
+        out[2].decision,
+        IngestDecision::Rejected {
+            reason: "key_conflict".into()
+        }
+    );
+    assert_eq!(ops_count(&h).await, 1);
+    assert_eq!(
+        h.count(
+            "SELECT COUNT(*) FROM inbox WHERE decision = 'rejected' AND reason = 'key_conflict'"
+        )
+        .await,
+        1
+    );
+}
+
+async fn an_ambiguity_holds_its_entity_until_resolved(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1"), pay("e2", "o1", "2")])
+        .await
+        .expect("ingest");
+    let c = claim_one(l, "w").await;
+    record_ok(
+        l,
+        Recording::new(
+            c.operation.operation_id,
+            c.epoch(),
+            Event::OutcomeUnknown,
+            "timeout_after_send",
+        ),
+    )
+    .await;
+    assert!(
+        l.claim(&claim_request("w", LONG, 10))
+            .await
+            .expect("claim")
+            .is_empty(),
+        "the entity is held"
+    );
+    let r = l
+        .claim_reconcile(&claim_request("rec", LONG, 10))
+        .await
+        .expect("reconcile")
+        .remove(0);
+    let still = record_ok(
+        l,
+        Recording {
+            next_in: Some(LONG),
+            ..Recording::new(
+                r.operation.operation_id,
+                r.epoch(),
+                Event::StillUnknown,
+                "lookup_missed",
+            )
+        },
+    )
+    .await;
+    assert_eq!(still.status, Status::UnknownOutcome);
+    assert!(
+        l.claim_reconcile(&claim_request("rec", LONG, 10))
+            .await
+            .expect("reconcile")
+            .is_empty(),
+        "not due yet"
+    );
+    let op = l
+        .apply(&Command {
+            operation_id: r.operation.operation_id,
+            event: Event::Resolve(Resolution::Succeeded),
+            actor: "bob".into(),
+            reason: "checked the provider".into(),
+            result: Some(json!({"charge_id": "ch_1"})),
+        })
+        .await
+        .expect("resolve");
+    assert_eq!(op.status, Status::CompletedSuccess);
+    assert_eq!(op.result, Some(json!({"charge_id": "ch_1"})));
+    let events = l.events(op.operation_id).await.expect("events");
+    let resolved = events.last().expect("event");
+    assert!(
+        resolved
+            .detail
+            .as_ref()
+            .and_then(|d| d.get("unknown_for_ms"))
+            .is_some(),
+        "the ambiguity's duration is recorded: {resolved:?}"
+    );
+    let next = claim_one(l, "w").await;
+    assert_eq!(next.operation.event_id, "e2");
+}
+
+async fn retries_are_durable_and_keep_entity_order(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1"), pay("e2", "o1", "2")])
+        .await
+        .expect("ingest");
+    let c = claim_one(l, "w").await;
+    let op = record_ok(
+        l,
+        Recording {
+            next_in: Some(LONG),
+            ..Recording::new(
+                c.operation.operation_id,
+                c.epoch(),
+                Event::ScheduleRetry,
+                "not_sent",
+            )
+        },
+    )
+    .await;
+    assert_eq!(op.status, Status::FailedRetryable);
+    assert!(op.next_attempt_at.is_some());
+    assert!(
+        l.claim(&claim_request("w", LONG, 10))
+            .await
+            .expect("claim")
+            .is_empty(),
+        "not due, and e2 waits behind it"
+    );
+    h.exec("UPDATE dispatch_queue SET ready_at = '2000-01-01T00:00:00.000Z'")
+        .await
+        .expect("make due");
+    let again = claim_one(l, "w").await;
+    assert_eq!(again.operation.operation_id, c.operation.operation_id);
+    assert_eq!(again.operation.attempt_count, 2);
+    assert_eq!(
+        again.first_attempt_at, c.first_attempt_at,
+        "the budget counts from the first attempt"
+    );
+    assert_eq!(
+        l.attempts(c.operation.operation_id)
+            .await
+            .expect("attempts")
+            .len(),
+        2
+    );
+}
+
+async fn the_schema_enforces_one_write_in_flight_per_entity(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[
+        pay("e1", "o1", "1"),
+        pay("e2", "o1", "2"),
+        item("r", "lookup", ("order", "o1"), json!({})),
+    ])
+    .await
+    .expect("ingest");
+    h.exec("UPDATE operations SET status = 'dispatched' WHERE event_id = 'e1'")
+        .await
+        .expect("first in flight");
+    let second = h
+        .exec("UPDATE operations SET status = 'unknown_outcome' WHERE event_id = 'e2'")
+        .await;
+    assert!(
+        second.is_err(),
+        "a second write in flight on one entity must violate the unique index"
+    );
+    h.exec("UPDATE operations SET status = 'dispatched' WHERE event_id = 'r'")
+        .await
+        .expect("reads are exempt");
+}
+
+async fn the_schema_refuses_unknown_states(h: Harness) {
+    h.ledger
+        .ingest(&[pay("e1", "o1", "1")])
+        .await
+        .expect("ingest");
+    assert!(
+        h.exec("UPDATE operations SET status = 'done'")
+            .await
+            .is_err()
+    );
+    assert!(
+        h.exec("UPDATE operations SET side_effect_class = 'risky'")
+            .await
+            .is_err()
+    );
+}
+
+async fn schema_version_is_checked(h: Harness) {
+    let status = h.ledger.schema_status().await.expect("status");
+    assert!(status.is_current(), "{status:?}");
+    // Pretend a newer build migrated this database (bytea literals differ by dialect).
+    let sqlite = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+                  VALUES (99990101000000, 'future', true, X'00', 0)";
+    let postgres = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+                    VALUES (99990101000000, 'future', true, '\\x00'::bytea, 0)";
+    if h.exec(sqlite).await.is_err() {
+        h.exec(postgres).await.expect("insert a future migration");
+    }
+    let status = h.ledger.schema_status().await.expect("status");
+    assert!(
+        matches!(
+            status.require_current(),
+            Err(Error::SchemaTooNew {
+                found: 99990101000000,
+                ..
+            })
+        ),
+        "{status:?}"
+    );
+}
+
+async fn reaper_deletes_only_past_retention(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1"), pay("e2", "o2", "1")])
+        .await
+        .expect("ingest");
+    let c = claim_one(l, "w").await;
+    record_ok(
+        l,
+        Recording::new(c.operation.operation_id, c.epoch(), Event::Succeed, "ok"),
+    )
+    .await;
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 100))
+        .await
+        .expect("results");
+    l.mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark");
+    assert_eq!(
+        l.reap(Duration::from_secs(3600)).await.expect("reap"),
+        Default::default()
+    );
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let stats = l.reap(Duration::from_millis(5)).await.expect("reap");
+    assert_eq!(
+        (stats.inbox, stats.queue, stats.results),
+        (2, 1, rows.len() as u64)
+    );
+    assert_eq!(ops_count(&h).await, 2, "operations are never reaped");
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM dispatch_queue").await,
+        1,
+        "the waiting row stays"
+    );
+    let again = l.ingest(&[pay("e9", "o1", "1")]).await.expect("ingest");
+    assert_eq!(
+        again[0].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        },
+        "keys outlive the inbox"
+    );
+}
+
+async fn list_filters_and_paginates(h: Harness) {
+    let l = h.ledger.as_ref();
+    let batch: Vec<_> = (0..7)
+        .map(|n| {
+            pay(
+                &format!("e{n}"),
+                &format!("o{}", n % 2),
+                &format!("{}", n + 1),
+            )
+        })
+        .collect();
+    l.ingest(&batch).await.expect("ingest");
+    l.ingest(&[item("x", "email", ("user", "u"), json!({"to": "a@b.c"}))])
+        .await
+        .expect("ingest");
+    let mut seen = Vec::new();
+    let mut filter = ListFilter {
+        tool: Some("pay".into()),
+        limit: Some(3),
+        ..Default::default()
+    };
+    loop {
+        let page = l.list(&filter).await.expect("list");
+        assert!(page.operations.len() <= 3);
+        seen.extend(page.operations.iter().map(|o| o.operation_id));
+        match page.next_cursor {
+            Some(c) => filter.cursor = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 7);
+    assert!(seen.windows(2).all(|w| w[0] > w[1]), "newest first");
+    let by_entity = l
+        .list(&ListFilter {
+            entity: Some("order:o1".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(by_entity.operations.len(), 3);
+    let by_status = l
+        .list(&ListFilter {
+            status: Some(Status::PendingDispatch),
+            ..Default::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(by_status.operations.len(), 8);
+    let key = &by_entity.operations[0].idempotency_key;
+    let by_key = l
+        .list(&ListFilter {
+            idempotency_key: Some(key.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(by_key.operations.len(), 1);
+    assert_eq!(
+        l.operation_by_key("acme", key)
+            .await
+            .expect("read")
+            .map(|o| o.idempotency_key),
+        Some(key.clone())
+    );
+}
+
+async fn recording_keeps_attempt_and_result_details(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "49.00")]).await.expect("ingest");
+    let c = claim_one(l, "w").await;
+    let attempt_id = c.attempt_id.expect("dispatch claims persist an attempt");
+    let before = l
+        .attempts(c.operation.operation_id)
+        .await
+        .expect("attempts");
+    assert_eq!(
+        before.len(),
+        1,
+        "the attempt exists before the tool is called"
+    );
+    assert!(before[0].finished_at.is_none());
+    let report = opgate_store::AttemptReport {
+        outcome: "committed".into(),
+        http_status: Some(200),
+        error_category: None,
+        latency: Some(Duration::from_millis(42)),
+        provider_request_id: Some("req_1".into()),
+    };
+    let op = record_ok(
+        l,
+        Recording {
+            attempt: Some((attempt_id, report.clone())),
+            result: Some(json!({"charge_id": "ch_9", "amount": 4900})),
+            external_object_id: Some("ch_9".into()),
+            external_request_id: Some("req_1".into()),
+            ..Recording::new(
+                c.operation.operation_id,
+                c.epoch(),
+                Event::Succeed,
+                "committed",
+            )
+        },
+    )
+    .await;
+    assert_eq!(op.external_object_id.as_deref(), Some("ch_9"));
+    assert!(op.lease_owner.is_none(), "the lease is released");
+    let attempts = l.attempts(op.operation_id).await.expect("attempts");
+    assert_eq!(attempts[0].report.as_ref(), Some(&report));
+    assert!(attempts[0].finished_at.is_some());
+    let stored = l
+        .operation(op.operation_id)
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(
+        stored.result,
+        Some(json!({"charge_id": "ch_9", "amount": 4900}))
+    );
+    assert_eq!(
+        stored.canonical_args,
+        json!({"amount": 4900, "currency": "USD"})
+    );
+    let statuses: BTreeMap<i64, Status> = l
+        .events(op.operation_id)
+        .await
+        .expect("events")
+        .iter()
+        .map(|e| (e.event_seq, e.to))
+        .collect();
+    assert_eq!(
+        statuses.into_values().collect::<Vec<_>>(),
+        vec![
+            Status::PendingDispatch,
+            Status::Dispatched,
+            Status::CompletedSuccess
+        ]
+    );
+}

@@ -1,0 +1,213 @@
+//! Shared fixtures for the storage conformance suite: a registry, proposal builders,
+//! and fresh ledgers (a SQLite file per test; a PostgreSQL schema per test).
+
+#![allow(dead_code, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opgate_core::{Delivery, IngestItem, Limits, Proposal, Registry, Source};
+use opgate_store::{ClaimRequest, Ledger, SqliteLedger};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+pub const TOOLS: &str = r#"
+[[tools]]
+name = "pay"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+
+[[tools]]
+name = "email"
+side_effect_class = "external_non_idempotent"
+[tools.args]
+to = "email"
+
+[[tools]]
+name = "lookup"
+side_effect_class = "read"
+
+[[tools]]
+name = "ticket"
+side_effect_class = "external_idempotent"
+key_strategy = "workflow_step"
+
+[[tools]]
+name = "refund"
+side_effect_class = "irreversible"
+approval = "required"
+"#;
+
+/// A ledger under test plus raw SQL access to its database, for schema-level checks.
+pub struct Harness {
+    pub ledger: Arc<dyn Ledger>,
+    pub raw: Raw,
+}
+
+pub enum Raw {
+    Sqlite(sqlx::SqlitePool),
+    #[cfg(feature = "integration")]
+    Postgres(sqlx::PgPool),
+}
+
+impl Harness {
+    /// Executes raw SQL (with `$1`-style text only, no binds) and returns rows affected.
+    pub async fn exec(&self, sql: &str) -> Result<u64, sqlx::Error> {
+        match &self.raw {
+            Raw::Sqlite(pool) => sqlx::query(sql)
+                .execute(pool)
+                .await
+                .map(|r| r.rows_affected()),
+            #[cfg(feature = "integration")]
+            Raw::Postgres(pool) => sqlx::query(sql)
+                .execute(pool)
+                .await
+                .map(|r| r.rows_affected()),
+        }
+    }
+
+    /// Counts rows of a query returning one integer.
+    pub async fn count(&self, sql: &str) -> i64 {
+        match &self.raw {
+            Raw::Sqlite(pool) => sqlx::query_scalar(sql)
+                .fetch_one(pool)
+                .await
+                .expect("count"),
+            #[cfg(feature = "integration")]
+            Raw::Postgres(pool) => sqlx::query_scalar(sql)
+                .fetch_one(pool)
+                .await
+                .expect("count"),
+        }
+    }
+}
+
+pub async fn sqlite() -> Harness {
+    let path = std::env::temp_dir().join(format!("opgate-conformance-{}.db", Uuid::now_v7()));
+    let url = format!("sqlite://{}", path.display());
+    let ledger = SqliteLedger::open(&url).await.expect("open sqlite");
+    ledger.migrate().await.expect("migrate sqlite");
+    let raw = sqlx::SqlitePool::connect(&url).await.expect("raw pool");
+    Harness {
+        ledger: Arc::new(ledger),
+        raw: Raw::Sqlite(raw),
+    }
+}
+
+#[cfg(feature = "integration")]
+pub async fn postgres() -> Harness {
+    use sqlx::postgres::PgConnectOptions;
+    use std::str::FromStr;
+
+    let url = postgres_url().await;
+    let schema = format!("t_{}", Uuid::now_v7().simple());
+    let admin = sqlx::PgPool::connect(&url)
+        .await
+        .expect("connect to PostgreSQL");
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&admin)
+        .await
+        .expect("create schema");
+    let options = PgConnectOptions::from_str(&url)
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let ledger = opgate_store::PgLedger::connect_with(options.clone())
+        .await
+        .expect("connect");
+    ledger.migrate().await.expect("migrate");
+    let raw = sqlx::PgPool::connect_with(options).await.expect("raw pool");
+    Harness {
+        ledger: Arc::new(ledger),
+        raw: Raw::Postgres(raw),
+    }
+}
+
+/// `OPGATE_TEST_DATABASE_URL`, or a testcontainers PostgreSQL when a Docker engine
+/// answers; otherwise the test fails naming the variable.
+#[cfg(feature = "integration")]
+async fn postgres_url() -> String {
+    use testcontainers_modules::postgres::Postgres;
+    use testcontainers_modules::testcontainers::ContainerAsync;
+    use testcontainers_modules::testcontainers::runners::AsyncRunner;
+    use tokio::sync::OnceCell;
+
+    if let Ok(url) = std::env::var("OPGATE_TEST_DATABASE_URL") {
+        return url;
+    }
+    static CONTAINER: OnceCell<ContainerAsync<Postgres>> = OnceCell::const_new();
+    let container = CONTAINER
+        .get_or_try_init(|| async { Postgres::default().start().await })
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test); \
+                 no Docker engine answered for testcontainers either: {e}"
+            )
+        });
+    let port = container
+        .get_host_port_ipv4(5432)
+        .await
+        .expect("mapped port");
+    format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+}
+
+pub fn registry() -> Registry {
+    Registry::from_toml(TOOLS).expect("valid registry")
+}
+
+pub fn delivery(offset: i64) -> Delivery {
+    Delivery {
+        source: Source::Kafka {
+            topic: "opgate.proposals".into(),
+            partition: 0,
+            offset,
+        },
+        traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+    }
+}
+
+/// A proposal as an ingest item.
+pub fn item(event_id: &str, tool: &str, entity: (&str, &str), args: Value) -> IngestItem {
+    item_with(event_id, tool, entity, args, json!({}))
+}
+
+/// A proposal with extra top-level fields (workflow_id, step, ...).
+pub fn item_with(
+    event_id: &str,
+    tool: &str,
+    entity: (&str, &str),
+    args: Value,
+    extra: Value,
+) -> IngestItem {
+    let mut value = json!({
+        "event_id": event_id, "namespace": "acme", "tool": tool,
+        "entity": {"type": entity.0, "id": entity.1}, "args": args,
+    });
+    for (k, v) in extra.as_object().expect("object") {
+        value[k] = v.clone();
+    }
+    let proposal = Proposal::from_value(value, &Limits::default()).expect("valid proposal");
+    IngestItem::from_proposal(&registry(), &proposal, delivery(0))
+}
+
+/// A payment on an order: each distinct amount is a distinct operation.
+pub fn pay(event_id: &str, order: &str, amount: &str) -> IngestItem {
+    item(
+        event_id,
+        "pay",
+        ("order", order),
+        json!({"amount": amount, "currency": "usd"}),
+    )
+}
+
+pub fn claim_request(owner: &str, lease: Duration, limit: usize) -> ClaimRequest {
+    ClaimRequest {
+        owner: owner.into(),
+        lease,
+        limit,
+    }
+}
