@@ -123,6 +123,8 @@ CREATE INDEX dispatch_queue_ready ON dispatch_queue (ready_at, seq) WHERE state 
 CREATE INDEX dispatch_queue_entity ON dispatch_queue (entity_key, seq)
     WHERE state IN ('waiting', 'inflight', 'held') AND is_read = 0;
 CREATE INDEX dispatch_queue_done ON dispatch_queue (finished_at) WHERE state = 'done';
+-- seq is MAX(seq) + 1 at insert (SQLite has no identity for a non-key column).
+CREATE UNIQUE INDEX dispatch_queue_seq ON dispatch_queue (seq);
 
 -- Result events not yet published to Kafka (transactional outbox).
 CREATE TABLE result_outbox (

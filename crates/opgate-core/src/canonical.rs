@@ -14,6 +14,9 @@
 //! the ISO 4217 exponent of the sibling `currency` argument (JPY 0, USD 2, KWD 3, ...;
 //! 2 when the tool has no `currency` argument). An amount with more decimals than the
 //! currency has (`"49.001"` USD) is rejected, never rounded; so is an unknown currency.
+//! A top-level argument that is `null` counts as absent (defaults apply, and it is not
+//! part of the key); nulls nested inside values are data and are kept.
+//!
 //! `money_minor` is a unit conversion, so it is not idempotent on its own output
 //! (`4900` read as major units is `490000`); canonical args are stored and never
 //! canonicalized twice.
@@ -100,6 +103,8 @@ pub fn canonicalize_args(tool: &Tool, raw: &Map<String, Value>) -> Result<Value,
             args.insert(name.clone(), default.clone());
         }
     }
+    // A top-level null means "not given": `{"note": null}` and `{}` are one identity.
+    args.retain(|_, v| !v.is_null());
     if let Some(missing) = tool
         .required
         .iter()

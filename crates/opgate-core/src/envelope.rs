@@ -158,9 +158,15 @@ impl IngestItem {
     }
 }
 
-/// The entity key: `{namespace}:{entity_type}:{entity_id}`.
+/// The entity key: `{namespace}:{entity_type}:{entity_id}`, with `%` and `:` escaped in
+/// the type and id so two different entities never share a key.
 pub fn entity_key(namespace: &str, entity: &Entity) -> String {
-    format!("{namespace}:{}:{}", entity.kind, entity.id)
+    use crate::key::escape;
+    format!(
+        "{namespace}:{}:{}",
+        escape(&entity.kind),
+        escape(&entity.id)
+    )
 }
 
 /// Validates a proposal against the registry and computes its identity.

@@ -76,6 +76,9 @@ pub enum KeyError {
     /// A template argument is absent or null.
     #[error("argument `{0}` is needed by the key template")]
     MissingArg(String),
+    /// A proposal field the key template uses is absent.
+    #[error("field `{0}` is needed by the key template")]
+    MissingField(&'static str),
 }
 
 /// Derives the idempotency key.
@@ -154,9 +157,15 @@ fn placeholder_text(
         Placeholder::EntityType => input.entity.kind.clone(),
         Placeholder::Tool => input.tool.name.clone(),
         Placeholder::Namespace => input.namespace.to_owned(),
-        Placeholder::Intent => intent.unwrap_or_default().to_owned(),
-        Placeholder::WorkflowId => input.workflow_id.unwrap_or_default().to_owned(),
-        Placeholder::Step => input.step.map(|s| s.to_string()).unwrap_or_default(),
+        Placeholder::Intent => intent.ok_or(KeyError::MissingField("intent"))?.to_owned(),
+        Placeholder::WorkflowId => input
+            .workflow_id
+            .ok_or(KeyError::MissingField("workflow_id"))?
+            .to_owned(),
+        Placeholder::Step => input
+            .step
+            .ok_or(KeyError::MissingField("step"))?
+            .to_string(),
         Placeholder::Arg(name) => match input.canonical_args.get(name) {
             None | Some(Value::Null) => return Err(KeyError::MissingArg(name.clone())),
             Some(Value::String(s)) => s.clone(),
@@ -177,7 +186,8 @@ pub fn args_fingerprint(canonical_args: &Value) -> String {
     sha256_hex(canonical_json(canonical_args).as_bytes())
 }
 
-fn escape(text: &str) -> String {
+/// Escapes `%` and `:` so a value cannot imitate a separator.
+pub(crate) fn escape(text: &str) -> String {
     text.replace('%', "%25").replace(':', "%3A")
 }
 
@@ -270,6 +280,40 @@ key_version = 2
             json!({"title": "x"}),
         );
         assert_eq!(k.key, "create_ticket:wf:wf-1:step:3:v2");
+    }
+
+    #[test]
+    fn template_parts_must_be_present() {
+        let registry = Registry::from_toml(
+            "[[tools]]\nname = \"t\"\nside_effect_class = \"irreversible\"\nkey = \"x:{workflow_id}:{step}\"",
+        )
+        .expect("valid");
+        let tool = registry.tool("t").expect("declared");
+        let entity = Entity {
+            kind: "o".into(),
+            id: "1".into(),
+        };
+        let input = |workflow_id, step| KeyInput {
+            namespace: "ns",
+            tool,
+            intent: None,
+            entity: &entity,
+            workflow_id,
+            step,
+            canonical_args: &Value::Null,
+        };
+        assert_eq!(
+            derive_key(&input(None, Some(1))),
+            Err(KeyError::MissingField("workflow_id"))
+        );
+        assert_eq!(
+            derive_key(&input(Some("wf"), None)),
+            Err(KeyError::MissingField("step"))
+        );
+        assert_eq!(
+            derive_key(&input(Some("wf"), Some(1))).map(|k| k.key),
+            Ok("x:wf:1:v1".to_owned())
+        );
     }
 
     mod properties {

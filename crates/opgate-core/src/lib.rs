@@ -12,6 +12,7 @@
 pub mod canonical;
 pub mod decimal;
 pub mod envelope;
+pub mod envsubst;
 pub mod key;
 pub mod operation;
 pub mod outcome;

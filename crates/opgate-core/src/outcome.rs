@@ -82,6 +82,10 @@ pub enum Verdict {
     Retry {
         /// Retry-After floor.
         floor: Option<Duration>,
+        /// The attempt may have taken effect (a resend is safe only thanks to the
+        /// provider's idempotency). When the budget runs out, such an operation must be
+        /// reconciled, never declared failed.
+        ambiguous: bool,
     },
     /// It may have happened: look the key up before anything is resent.
     Reconcile,
@@ -99,18 +103,28 @@ pub fn classify(outcome: &AdapterOutcome, contract: Contract) -> Verdict {
         } => Verdict::Complete,
         AdapterOutcome::Committed { acknowledged: true } => Verdict::Acknowledge,
         AdapterOutcome::Rejected { .. } => Verdict::FailPermanent,
-        AdapterOutcome::NotSent => Verdict::Retry { floor: None },
+        AdapterOutcome::NotSent => Verdict::Retry {
+            floor: None,
+            ambiguous: false,
+        },
         AdapterOutcome::Throttled { retry_after } => Verdict::Retry {
             floor: *retry_after,
+            ambiguous: false,
         },
         AdapterOutcome::ServerError { .. } if contract.five_xx == FiveXx::Retryable => {
-            Verdict::Retry { floor: None }
+            Verdict::Retry {
+                floor: None,
+                ambiguous: false,
+            }
         }
         AdapterOutcome::SentNoAnswer
         | AdapterOutcome::ServerError { .. }
         | AdapterOutcome::Malformed => {
             if repeatable {
-                Verdict::Retry { floor: None }
+                Verdict::Retry {
+                    floor: None,
+                    ambiguous: contract.class.is_write(),
+                }
             } else {
                 Verdict::Reconcile
             }
@@ -150,17 +164,21 @@ pub fn decide<R: Rng + ?Sized>(
         Verdict::Acknowledge => done(Event::Acknowledge),
         Verdict::FailPermanent => done(Event::FailPermanently),
         Verdict::Reconcile => done(Event::OutcomeUnknown),
-        Verdict::Retry { floor } => match next_retry(policy, attempts_made, elapsed, floor, rng) {
-            RetryDecision::After(delay) => Decision {
-                event: Event::ScheduleRetry,
-                retry_in: Some(delay),
-                retryable: true,
-            },
-            RetryDecision::Exhausted(_) => done(match policy.on_exhausted {
-                OnExhausted::NeedsAttention => Event::Escalate,
-                OnExhausted::FailedPermanent => Event::FailPermanently,
-            }),
-        },
+        Verdict::Retry { floor, ambiguous } => {
+            match next_retry(policy, attempts_made, elapsed, floor, rng) {
+                RetryDecision::After(delay) => Decision {
+                    event: Event::ScheduleRetry,
+                    retry_in: Some(delay),
+                    retryable: true,
+                },
+                // The last attempt may have taken effect: find out before anyone says "failed".
+                RetryDecision::Exhausted(_) if ambiguous => done(Event::OutcomeUnknown),
+                RetryDecision::Exhausted(_) => done(match policy.on_exhausted {
+                    OnExhausted::NeedsAttention => Event::Escalate,
+                    OnExhausted::FailedPermanent => Event::FailPermanently,
+                }),
+            }
+        }
     }
 }
 
@@ -202,23 +220,30 @@ mod tests {
                     let c = contract(class, five_xx, resend_is_safe);
                     let repeatable = class == C::Read || resend_is_safe;
                     for o in &outcomes {
+                        let plain = Verdict::Retry {
+                            floor: None,
+                            ambiguous: false,
+                        };
                         let expected = match o {
-                            AdapterOutcome::NotSent => Verdict::Retry { floor: None },
+                            AdapterOutcome::NotSent => plain,
                             AdapterOutcome::Throttled { .. } => Verdict::Retry {
                                 floor: Some(Duration::from_secs(3)),
+                                ambiguous: false,
                             },
                             AdapterOutcome::Rejected { .. } => Verdict::FailPermanent,
-                            AdapterOutcome::Committed { acknowledged } => {
-                                if *acknowledged {
-                                    Verdict::Acknowledge
-                                } else {
-                                    Verdict::Complete
-                                }
+                            AdapterOutcome::Committed { acknowledged: true } => {
+                                Verdict::Acknowledge
                             }
+                            AdapterOutcome::Committed {
+                                acknowledged: false,
+                            } => Verdict::Complete,
                             AdapterOutcome::ServerError { .. } if five_xx == FiveXx::Retryable => {
-                                Verdict::Retry { floor: None }
+                                plain
                             }
-                            _ if repeatable => Verdict::Retry { floor: None },
+                            _ if repeatable => Verdict::Retry {
+                                floor: None,
+                                ambiguous: class.is_write(),
+                            },
                             _ => Verdict::Reconcile,
                         };
                         assert_eq!(classify(o, c), expected, "{o:?} x {c:?}");
@@ -248,34 +273,37 @@ mod tests {
     fn decide_applies_the_budget() {
         let mut rng = StdRng::seed_from_u64(9);
         let policy = RetryPolicy::default_for(C::Irreversible);
-        let d = decide(
-            Verdict::Retry { floor: None },
-            &policy,
-            1,
-            Duration::ZERO,
-            &mut rng,
-        );
+        let plain = Verdict::Retry {
+            floor: None,
+            ambiguous: false,
+        };
+        let d = decide(plain, &policy, 1, Duration::ZERO, &mut rng);
         assert_eq!(d.event, Event::ScheduleRetry);
         assert!(d.retry_in.is_some_and(|r| r <= policy.base));
-        let d = decide(
-            Verdict::Retry { floor: None },
-            &policy,
-            5,
-            Duration::ZERO,
-            &mut rng,
+        assert_eq!(
+            decide(plain, &policy, 5, Duration::ZERO, &mut rng).event,
+            Event::Escalate
         );
-        assert_eq!(d.event, Event::Escalate);
         let reads = RetryPolicy::default_for(C::Read);
-        let d = decide(
-            Verdict::Retry { floor: None },
-            &reads,
-            5,
-            Duration::ZERO,
-            &mut rng,
+        assert_eq!(
+            decide(plain, &reads, 5, Duration::ZERO, &mut rng).event,
+            Event::FailPermanently
         );
-        assert_eq!(d.event, Event::FailPermanently);
         assert_eq!(
             decide(Verdict::Reconcile, &policy, 1, Duration::ZERO, &mut rng).event,
+            Event::OutcomeUnknown
+        );
+        // An exhausted budget after an ambiguous attempt is never reported as failed.
+        let failing = RetryPolicy {
+            on_exhausted: OnExhausted::FailedPermanent,
+            ..policy
+        };
+        let ambiguous = Verdict::Retry {
+            floor: None,
+            ambiguous: true,
+        };
+        assert_eq!(
+            decide(ambiguous, &failing, 5, Duration::ZERO, &mut rng).event,
             Event::OutcomeUnknown
         );
     }

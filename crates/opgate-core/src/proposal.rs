@@ -113,6 +113,14 @@ pub enum ProposalError {
         /// Field path.
         field: String,
     },
+    /// A field whose value is not allowed.
+    #[error("field `{field}` {message}")]
+    Invalid {
+        /// Field path.
+        field: String,
+        /// What is wrong.
+        message: &'static str,
+    },
     /// A field opgate does not know.
     #[error("field `{field}` is not a proposal field")]
     UnknownField {
@@ -148,6 +156,7 @@ impl ProposalError {
             Self::Missing { .. }
             | Self::WrongType { .. }
             | Self::Empty { .. }
+            | Self::Invalid { .. }
             | Self::UnknownField { .. } => "schema_violation",
         }
     }
@@ -158,6 +167,7 @@ impl ProposalError {
             Self::Missing { field }
             | Self::WrongType { field, .. }
             | Self::Empty { field }
+            | Self::Invalid { field, .. }
             | Self::UnknownField { field } => Some(field),
             Self::ArgsTooLarge { .. } | Self::ArgsTooDeep { .. } => Some("args"),
             Self::NotJson(_) | Self::MessageTooLarge { .. } => None,
@@ -200,8 +210,16 @@ impl Proposal {
         check_args_limits(&args, limits)?;
         Ok(Self {
             event_id: required_str(&mut obj, "event_id")?,
-            namespace: optional_str(&mut obj, "namespace")?
-                .unwrap_or_else(|| DEFAULT_NAMESPACE.to_owned()),
+            namespace: match optional_str(&mut obj, "namespace")? {
+                None => DEFAULT_NAMESPACE.to_owned(),
+                Some(ns) if valid_namespace(&ns) => ns,
+                Some(_) => {
+                    return Err(ProposalError::Invalid {
+                        field: "namespace".into(),
+                        message: "must be 1-64 characters of A-Z a-z 0-9 . _ -",
+                    });
+                }
+            },
             agent_id: optional_str(&mut obj, "agent_id")?,
             workflow_id: optional_str(&mut obj, "workflow_id")?,
             run_id: optional_str(&mut obj, "run_id")?,
@@ -224,6 +242,15 @@ impl Proposal {
     pub fn kafka_key(&self) -> String {
         format!("{}:{}", self.entity.kind, self.entity.id)
     }
+}
+
+/// Namespaces scope keys at providers too (`{namespace}/{key}`), so they are restricted
+/// to characters that cannot imitate a separator.
+pub fn valid_namespace(ns: &str) -> bool {
+    (1..=64).contains(&ns.len())
+        && ns
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 fn missing(field: &str) -> ProposalError {
@@ -427,6 +454,7 @@ mod tests {
                     | (ProposalError::WrongType { .. }, "type")
                     | (ProposalError::Empty { .. }, "empty")
                     | (ProposalError::UnknownField { .. }, "unknown")
+                    | (ProposalError::Invalid { .. }, "invalid")
             );
             assert!(matches_kind, "{field}: expected {kind}, got {err:?}");
             assert!(err.to_string().contains(field), "{err}");

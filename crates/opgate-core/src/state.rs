@@ -12,8 +12,17 @@
 //! unknown_outcome --succeeded/noop/failed_permanent | redispatch --> pending_dispatch
 //!                 | still_unknown (self) | escalate --> needs_attention | resolve(person)
 //! needs_attention --resolve(person)--> completed_success | completed_noop | failed_permanent | pending_dispatch
+//! acknowledged --still_unknown (self) | resolve(person)
 //! completed_success --start_compensation--> compensating --compensation_succeeded--> compensated
-//!                                                        '--compensation_failed--> needs_attention
+//!                                                        '--compensation_failed--> completed_success
+//! ```
+//!
+//! A failed compensation returns the operation to `completed_success` (its effect still
+//! stands) and frees the entity; the compensating operation itself carries the failure
+//! (`failed_permanent` or `needs_attention`). No path leads from a failed compensation
+//! back to dispatching the original again.
+//!
+//! ```text
 //! ```
 //!
 //! Every pair not listed is an [`IllegalTransition`]; the ledger refuses it too.
@@ -174,7 +183,8 @@ pub enum Event {
     OutcomeUnknown,
     /// A lookup proved it did not happen (or the provider's key retention covers a resend).
     Redispatch,
-    /// A lookup was inconclusive; look again later.
+    /// A lookup was inconclusive (or an acknowledged operation is still processing);
+    /// look again later.
     StillUnknown,
     /// Hand it to a person.
     Escalate,
@@ -282,8 +292,9 @@ pub fn transition(from: Status, event: Event) -> Result<Status, IllegalTransitio
 
         (S::UnknownOutcome, E::Redispatch) => S::PendingDispatch,
         (S::UnknownOutcome, E::StillUnknown) => S::UnknownOutcome,
+        (S::Acknowledged, E::StillUnknown) => S::Acknowledged,
 
-        (S::UnknownOutcome | S::NeedsAttention, E::Resolve(r)) => match r {
+        (S::UnknownOutcome | S::Acknowledged | S::NeedsAttention, E::Resolve(r)) => match r {
             Resolution::Succeeded => S::CompletedSuccess,
             Resolution::Noop => S::CompletedNoop,
             Resolution::Failed => S::FailedPermanent,
@@ -292,7 +303,7 @@ pub fn transition(from: Status, event: Event) -> Result<Status, IllegalTransitio
 
         (S::CompletedSuccess, E::StartCompensation) => S::Compensating,
         (S::Compensating, E::CompensationSucceeded) => S::Compensated,
-        (S::Compensating, E::CompensationFailed) => S::NeedsAttention,
+        (S::Compensating, E::CompensationFailed) => S::CompletedSuccess,
 
         _ => return Err(IllegalTransition { from, event }),
     };
@@ -327,6 +338,11 @@ mod tests {
         ("acknowledged", "fail_permanently", "failed_permanent"),
         ("acknowledged", "outcome_unknown", "unknown_outcome"),
         ("acknowledged", "escalate", "needs_attention"),
+        ("acknowledged", "still_unknown", "acknowledged"),
+        ("acknowledged", "resolve_succeeded", "completed_success"),
+        ("acknowledged", "resolve_noop", "completed_noop"),
+        ("acknowledged", "resolve_failed", "failed_permanent"),
+        ("acknowledged", "resolve_redispatch", "pending_dispatch"),
         ("unknown_outcome", "succeed", "completed_success"),
         ("unknown_outcome", "noop", "completed_noop"),
         ("unknown_outcome", "fail_permanently", "failed_permanent"),
@@ -343,7 +359,7 @@ mod tests {
         ("needs_attention", "resolve_redispatch", "pending_dispatch"),
         ("completed_success", "start_compensation", "compensating"),
         ("compensating", "compensation_succeeded", "compensated"),
-        ("compensating", "compensation_failed", "needs_attention"),
+        ("compensating", "compensation_failed", "completed_success"),
     ];
 
     #[test]
@@ -423,6 +439,10 @@ mod tests {
                 // An ambiguous operation is never blindly re-claimed.
                 if before == Status::UnknownOutcome {
                     prop_assert!(after != Status::Dispatched);
+                }
+                // Nothing that went through compensation is dispatched again.
+                if before == Status::Compensating {
+                    prop_assert!(matches!(after, Status::Compensated | Status::CompletedSuccess));
                 }
                 state = after;
             }

@@ -86,6 +86,17 @@ pub(crate) trait Tx: Send {
     ) -> impl Future<Output = Result<()>> + Send;
     /// Inserts an operation unless its (namespace, key) exists; false if it did.
     fn insert_operation(&mut self, op: &Operation) -> impl Future<Output = Result<bool>> + Send;
+    /// Reads an operation without locking it.
+    fn read_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Row-locks an operation unless another transaction holds it (then `None`): the
+    /// claim paths lock queue rows first, so they must never wait on an operation lock.
+    fn try_lock_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
     /// Reads and row-locks an operation.
     fn lock_operation(
         &mut self,
@@ -240,7 +251,7 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
                 .await?
                 .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
             let operation = match row.operation_id {
-                Some(id) => tx.lock_operation(id).await?,
+                Some(id) => tx.read_operation(id).await?,
                 None => None,
             };
             outcomes.push(IngestOutcome {
@@ -307,15 +318,25 @@ async fn ingest_envelope<T: Tx>(
         .lock_operation_by_key(&env.key.namespace, &env.key.key)
         .await?
         .ok_or_else(|| Error::Corrupt(format!("operation for key {} vanished", env.key.key)))?;
-    if env.key_strategy == KeyStrategy::WorkflowStep
+    let conflict = if existing.tool != env.tool {
+        Some(format!(
+            "key `{}` already names operation {} of tool `{}`; give the tools distinct key templates",
+            env.key.key, existing.operation_id, existing.tool
+        ))
+    } else if env.key_strategy == KeyStrategy::WorkflowStep
         && existing.args_fingerprint != env.args_fingerprint
     {
+        Some(format!(
+            "key `{}` already names operation {} with different arguments; a new step is needed",
+            env.key.key, existing.operation_id
+        ))
+    } else {
+        None
+    };
+    if let Some(message) = conflict {
         let rejection = Rejection {
             reason: "key_conflict",
-            message: format!(
-                "key `{}` already names operation {} with different arguments; a new step is needed",
-                env.key.key, existing.operation_id
-            ),
+            message,
         };
         let rejected = RejectedProposal {
             event_id: env.event_id.clone(),
@@ -347,14 +368,17 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
     let ids = tx.pick_claimable(now, request.limit).await?;
     let mut claims = Vec::with_capacity(ids.len());
     for id in ids {
-        let Some(mut op) = tx.lock_operation(id).await? else {
+        let Some(mut op) = tx.try_lock_operation(id).await? else {
             continue;
         };
         let from = op.status;
-        let to = transition(from, Event::Claim).map_err(|source| Error::IllegalTransition {
-            operation_id: id,
-            source,
-        })?;
+        let Ok(to) = transition(from, Event::Claim) else {
+            // The queue row disagrees with the operation (a bug or a manual edit): repair
+            // the row from the operation and keep claiming the others.
+            tracing::warn!(operation_id = %id, status = %from, "queue row out of step with its operation; repaired");
+            tx.put_queue(&op, QueueState::of(from), now, now).await?;
+            continue;
+        };
         op.status = to;
         op.attempt_count += 1;
         op.lease_epoch += 1;
@@ -534,7 +558,7 @@ pub(crate) async fn claim_reconcile<T: Tx>(
 ) -> Result<Vec<Claim>> {
     let now = tx.now().await?;
     for id in tx.pick_expired(now, request.limit).await? {
-        let Some(mut op) = tx.lock_operation(id).await? else {
+        let Some(mut op) = tx.try_lock_operation(id).await? else {
             continue;
         };
         let lost_by = op.lease_owner.clone();
@@ -567,7 +591,7 @@ pub(crate) async fn claim_reconcile<T: Tx>(
     }
     let mut claims = Vec::new();
     for id in tx.pick_reconcilable(now, request.limit).await? {
-        let Some(mut op) = tx.lock_operation(id).await? else {
+        let Some(mut op) = tx.try_lock_operation(id).await? else {
             continue;
         };
         op.lease_epoch += 1;

@@ -150,7 +150,9 @@ fn millis(d: Duration) -> i64 {
 
 impl Tx for PgTx {
     async fn now(&mut self) -> Result<OffsetDateTime> {
-        Ok(sqlx::query_scalar("SELECT now()")
+        // clock_timestamp(), not now(): now() is the transaction's start, and time spent
+        // waiting on locks must not shorten a lease.
+        Ok(sqlx::query_scalar("SELECT clock_timestamp()")
             .fetch_one(&mut *self.0)
             .await?)
     }
@@ -251,6 +253,30 @@ impl Tx for PgTx {
         .execute(&mut *self.0)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn read_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn try_lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
     }
 
     async fn lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {

@@ -333,6 +333,15 @@ impl Tx for SqliteTx {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn read_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
+        self.lock_operation(id).await
+    }
+
+    async fn try_lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
+        // One writer at a time: nothing else can hold the row.
+        self.lock_operation(id).await
+    }
+
     async fn lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
         sqlx::query(&format!(
             "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1"
@@ -494,9 +503,9 @@ impl Tx for SqliteTx {
         ids(sqlx::query_scalar(
             "SELECT q.operation_id FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 \
-               AND (q.is_read OR NOT EXISTS ( \
+               AND (q.is_read = 1 OR NOT EXISTS ( \
                    SELECT 1 FROM dispatch_queue p \
-                   WHERE p.entity_key = q.entity_key AND NOT p.is_read \
+                   WHERE p.entity_key = q.entity_key AND p.is_read = 0 \
                      AND p.operation_id <> q.operation_id \
                      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
                      AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq)))) \

@@ -52,6 +52,7 @@ conformance!(
     reads_never_wait_for_their_entity,
     approval_parks_until_approved,
     workflow_step_key_conflict_is_rejected,
+    the_same_key_from_another_tool_is_a_conflict,
     an_ambiguity_holds_its_entity_until_resolved,
     retries_are_durable_and_keep_entity_order,
     the_schema_enforces_one_write_in_flight_per_entity,
@@ -655,6 +656,43 @@ async fn workflow_step_key_conflict_is_rejected(h: Harness) {
         )
         .await,
         1
+    );
+}
+
+async fn the_same_key_from_another_tool_is_a_conflict(h: Harness) {
+    let l = h.ledger.as_ref();
+    let out = l
+        .ingest(&[
+            pay("e1", "o1", "5"),
+            item(
+                "e2",
+                "pay_twin",
+                ("order", "o1"),
+                json!({"amount": "5", "currency": "usd"}),
+            ),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(
+        out[1].decision,
+        IngestDecision::Rejected {
+            reason: "key_conflict".into()
+        }
+    );
+    assert_eq!(ops_count(&h).await, 1);
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 10))
+        .await
+        .expect("results");
+    let rejected = rows
+        .iter()
+        .find(|r| r.payload["event_id"] == "e2")
+        .expect("result for e2");
+    assert!(
+        rejected.payload["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("pay")
     );
 }
 

@@ -36,6 +36,16 @@ name = "ticket"
 side_effect_class = "external_idempotent"
 key_strategy = "workflow_step"
 
+# A misconfigured twin: same key template as `pay`. The ledger must not merge the two.
+[[tools]]
+name = "pay_twin"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+
 [[tools]]
 name = "refund"
 side_effect_class = "irreversible"

@@ -1,0 +1,54 @@
+//! `${NAME}` references in config values, expanded from the environment when the config
+//! file is read (secrets and endpoints never live in the file). The lookup is passed in,
+//! so this stays free of I/O and testable.
+
+/// A `${NAME}` whose variable is not set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("environment variable `{0}` is referenced by the config but not set")]
+pub struct MissingVar(pub String);
+
+/// Replaces every `${NAME}` with `lookup(NAME)`; `$${` is a literal `${`.
+pub fn expand(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, MissingVar> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("${") {
+        if rest[..at].ends_with('$') {
+            out.push_str(&rest[..at - 1]);
+            out.push_str("${");
+            rest = &rest[at + 2..];
+            continue;
+        }
+        out.push_str(&rest[..at]);
+        let Some(end) = rest[at..].find('}') else {
+            out.push_str(&rest[at..]);
+            return Ok(out);
+        };
+        let name = &rest[at + 2..at + end];
+        out.push_str(&lookup(name).ok_or_else(|| MissingVar(name.to_owned()))?);
+        rest = &rest[at + end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "HOST" => Some("kafka:9092".into()),
+            "SECRET" => Some("s3cr3t".into()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn expands_and_names_the_missing_variable() {
+        assert_eq!(expand("${HOST},b:1", env).expect("ok"), "kafka:9092,b:1");
+        assert_eq!(expand("user:${SECRET}@", env).expect("ok"), "user:s3cr3t@");
+        assert_eq!(expand("no refs {key}", env).expect("ok"), "no refs {key}");
+        assert_eq!(expand("lit $${HOST}", env).expect("ok"), "lit ${HOST}");
+        assert_eq!(expand("${NOPE}", env), Err(MissingVar("NOPE".into())));
+    }
+}

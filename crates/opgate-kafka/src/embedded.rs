@@ -1,0 +1,158 @@
+//! The embedded broker: librdkafka's mock cluster, in process, for `opgate dev` and tests.
+//!
+//! It speaks the Kafka protocol on loopback, so any outside client (kcat, Python) can use
+//! its bootstrap address. The mock cluster handle is not `Send`, so it lives on a thread
+//! of its own; the [`EmbeddedBroker`] handle sends that thread commands, which is also
+//! how tests inject faults (broker down, request errors).
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use rdkafka::error::KafkaResult;
+use rdkafka::mocking::MockCluster;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+use crate::topics::TopicSpec;
+use crate::{Error, Result};
+
+type Reply = mpsc::Sender<KafkaResult<()>>;
+
+enum Command {
+    BrokerDown(i32, Reply),
+    BrokerUp(i32, Reply),
+    RequestErrors(RDKafkaApiKey, Vec<RDKafkaRespErr>, Reply),
+    ClearRequestErrors(RDKafkaApiKey, Reply),
+    CreateTopic(String, i32, Reply),
+}
+
+/// A running mock cluster. Dropping it stops the cluster.
+#[derive(Debug)]
+pub struct EmbeddedBroker {
+    bootstrap: String,
+    brokers: i32,
+    commands: Option<mpsc::Sender<Command>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EmbeddedBroker {
+    /// Starts a cluster of `brokers` brokers and creates the given topics (with the
+    /// given prefix) with their partition counts; replication is capped by the broker count.
+    pub fn start(brokers: i32, prefix: &str, topics: &[TopicSpec]) -> Result<Self> {
+        let (ready_tx, ready_rx) = mpsc::channel::<KafkaResult<String>>();
+        let (commands, command_rx) = mpsc::channel::<Command>();
+        let topics: Vec<(String, i32, i32)> = topics
+            .iter()
+            .map(|t| {
+                (
+                    format!("{prefix}{}", t.name),
+                    t.partitions,
+                    t.replication_factor.min(brokers),
+                )
+            })
+            .collect();
+        let thread = std::thread::Builder::new()
+            .name("opgate-embedded-broker".into())
+            .spawn(move || {
+                let cluster = match MockCluster::new(brokers) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                for (name, partitions, replication) in &topics {
+                    if let Err(e) = cluster.create_topic(name, *partitions, *replication) {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                }
+                let _ = ready_tx.send(Ok(cluster.bootstrap_servers()));
+                // Serve commands until every handle is gone.
+                for command in command_rx {
+                    match command {
+                        Command::BrokerDown(id, reply) => drop(reply.send(cluster.broker_down(id))),
+                        Command::BrokerUp(id, reply) => drop(reply.send(cluster.broker_up(id))),
+                        Command::RequestErrors(api, errors, reply) => {
+                            cluster.request_errors(api, &errors);
+                            drop(reply.send(Ok(())));
+                        }
+                        Command::ClearRequestErrors(api, reply) => {
+                            cluster.clear_request_errors(api);
+                            drop(reply.send(Ok(())));
+                        }
+                        Command::CreateTopic(name, partitions, reply) => {
+                            drop(reply.send(cluster.create_topic(&name, partitions, 1)));
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::Embedded(format!("spawning the broker thread: {e}")))?;
+        let bootstrap = ready_rx
+            .recv()
+            .map_err(|_| Error::Embedded("the broker thread ended before it was ready".into()))??;
+        Ok(Self {
+            bootstrap,
+            brokers,
+            commands: Some(commands),
+            thread: Some(thread),
+        })
+    }
+
+    /// The `bootstrap.servers` list, e.g. `127.0.0.1:39527`.
+    pub fn bootstrap_servers(&self) -> &str {
+        &self.bootstrap
+    }
+
+    /// Number of brokers.
+    pub fn brokers(&self) -> i32 {
+        self.brokers
+    }
+
+    fn send(&self, make: impl FnOnce(Reply) -> Command) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.commands
+            .as_ref()
+            .ok_or_else(|| Error::Embedded("stopped".into()))?
+            .send(make(tx))
+            .map_err(|_| Error::Embedded("the broker thread is gone".into()))?;
+        rx.recv()
+            .map_err(|_| Error::Embedded("the broker thread is gone".into()))?
+            .map_err(Error::from)
+    }
+
+    /// Takes a broker down (its listener closes; clients see disconnects).
+    pub fn broker_down(&self, id: i32) -> Result<()> {
+        self.send(|r| Command::BrokerDown(id, r))
+    }
+
+    /// Brings a broker back.
+    pub fn broker_up(&self, id: i32) -> Result<()> {
+        self.send(|r| Command::BrokerUp(id, r))
+    }
+
+    /// Makes the next requests of one API fail with these errors, in order.
+    pub fn request_errors(&self, api: RDKafkaApiKey, errors: &[RDKafkaRespErr]) -> Result<()> {
+        let errors = errors.to_vec();
+        self.send(|r| Command::RequestErrors(api, errors, r))
+    }
+
+    /// Clears injected request errors of one API.
+    pub fn clear_request_errors(&self, api: RDKafkaApiKey) -> Result<()> {
+        self.send(|r| Command::ClearRequestErrors(api, r))
+    }
+
+    /// Creates another topic.
+    pub fn create_topic(&self, name: &str, partitions: i32) -> Result<()> {
+        let name = name.to_owned();
+        self.send(|r| Command::CreateTopic(name, partitions, r))
+    }
+}
+
+impl Drop for EmbeddedBroker {
+    fn drop(&mut self) {
+        self.commands.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

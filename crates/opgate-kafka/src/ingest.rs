@@ -1,0 +1,506 @@
+//! The ingest worker: `opgate.proposals` -> the ledger, exactly once per event id.
+//!
+//! One loop per worker: poll a batch (up to `max_messages` or `max_wait_ms`), split it by
+//! partition, and for each partition — concurrently — dead-letter the poison records
+//! (acknowledged by the broker first), then ingest the whole partition batch in one
+//! ledger transaction. Only then are that partition's offsets stored and committed.
+//! Until a batch is stored it is retried in place (ledger or DLQ down): the partition
+//! never moves past a record that is not stored.
+//!
+//! Rebalances: the loop never polls while a batch is in flight, and librdkafka runs the
+//! rebalance callbacks inside poll, so every batch has finished (and stored its offsets)
+//! before a partition is given up; the revoke callback commits them synchronously. A batch
+//! whose offsets could not be committed is redelivered to the new owner and dedupes in
+//! the inbox.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use opgate_core::{
+    Delivery, IngestItem, Limits, Proposal, Registry, RejectedProposal, Rejection, Source,
+};
+use opgate_store::{IngestDecision, SharedLedger};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::{DLQ, KafkaConfig, PROPOSALS};
+use crate::{Error, Result};
+
+/// Header carrying the W3C trace context.
+pub const TRACEPARENT: &str = "traceparent";
+/// Header carrying the agent identity set by the transport (e.g. a gateway); it wins
+/// over a missing `agent_id` and must agree with a present one.
+pub const AGENT_HEADER: &str = "opgate-agent-id";
+
+/// Counters of what a worker did (for tests, the demo and benchmarks).
+#[derive(Debug, Default)]
+pub struct IngestStats {
+    /// Records read.
+    pub records: AtomicU64,
+    /// New operations.
+    pub accepted: AtomicU64,
+    /// Redeliveries (same event id).
+    pub deduplicated_inbox: AtomicU64,
+    /// Duplicates by key.
+    pub deduplicated_key: AtomicU64,
+    /// Refused proposals (including dead letters).
+    pub rejected: AtomicU64,
+    /// Records written to the DLQ.
+    pub dead_lettered: AtomicU64,
+    /// Ledger transactions committed.
+    pub batches: AtomicU64,
+}
+
+impl IngestStats {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A counter's value.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// The consumer context: commits stored offsets before partitions are revoked.
+pub struct IngestContext;
+
+impl ClientContext for IngestContext {}
+
+impl ConsumerContext for IngestContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(partitions) = rebalance {
+            debug!(
+                count = partitions.count(),
+                "partitions revoked; committing stored offsets"
+            );
+            if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+                // "No offset stored" is the normal answer when nothing is new.
+                debug!(error = %e, "commit before revoke");
+            }
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(partitions) = rebalance {
+            info!(count = partitions.count(), "partitions assigned");
+        }
+    }
+}
+
+/// A record copied out of the consumer, so batches can move between tasks.
+#[derive(Debug, Clone)]
+struct Record {
+    partition: i32,
+    offset: i64,
+    timestamp_ms: Option<i64>,
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Record {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .and_then(|(_, v)| v.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .map(str::to_owned)
+    }
+}
+
+/// A record the worker cannot process, bound for the DLQ.
+#[derive(Debug, Clone)]
+struct DeadLetter {
+    reason: &'static str,
+    field: Option<String>,
+    message: String,
+    event_id: Option<String>,
+}
+
+struct Shared {
+    ledger: SharedLedger,
+    registry: Arc<Registry>,
+    limits: Limits,
+    proposals: String,
+    dlq_topic: String,
+    producer: FutureProducer,
+    stats: Arc<IngestStats>,
+}
+
+/// A consumer-group member ingesting `opgate.proposals`.
+pub struct IngestWorker {
+    consumer: StreamConsumer<IngestContext>,
+    shared: Arc<Shared>,
+    max_messages: usize,
+    max_wait: Duration,
+}
+
+impl IngestWorker {
+    /// Creates a worker (it joins the group when [`Self::run`] starts).
+    pub fn new(
+        config: &KafkaConfig,
+        ledger: SharedLedger,
+        registry: Arc<Registry>,
+        limits: Limits,
+    ) -> Result<Self> {
+        let mut consumer_config = config.client_config()?;
+        consumer_config
+            .set("group.id", &config.group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false");
+        let consumer: StreamConsumer<IngestContext> =
+            consumer_config.create_with_context(IngestContext)?;
+        Ok(Self {
+            consumer,
+            shared: Arc::new(Shared {
+                ledger,
+                registry,
+                limits,
+                proposals: config.topic(PROPOSALS),
+                dlq_topic: config.topic(DLQ),
+                producer: crate::relay::idempotent_producer(config)?,
+                stats: Arc::new(IngestStats::default()),
+            }),
+            max_messages: config.batch.max_messages.max(1),
+            max_wait: Duration::from_millis(config.batch.max_wait_ms),
+        })
+    }
+
+    /// The worker's counters.
+    pub fn stats(&self) -> Arc<IngestStats> {
+        self.shared.stats.clone()
+    }
+
+    /// Consumes until `cancel` fires; then commits what is stored and leaves the group.
+    /// A batch in flight when `cancel` fires is abandoned without storing its offsets:
+    /// it is redelivered and dedupes in the inbox.
+    pub async fn run(self, cancel: CancellationToken) -> Result<()> {
+        self.consumer.subscribe(&[&self.shared.proposals])?;
+        info!(topic = %self.shared.proposals, "ingest worker started");
+        while let Some(batch) = self.next_batch(&cancel).await {
+            if batch.is_empty() {
+                continue;
+            }
+            let stored = self.process(batch, &cancel).await;
+            if !stored.is_empty() {
+                self.store_offsets(&stored);
+            }
+        }
+        if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
+            debug!(error = %e, "final commit");
+        }
+        info!("ingest worker stopped");
+        Ok(())
+    }
+
+    /// Polls one batch; `None` once cancelled.
+    async fn next_batch(&self, cancel: &CancellationToken) -> Option<Vec<Record>> {
+        let mut batch = Vec::new();
+        let first = tokio::select! {
+            m = self.consumer.recv() => m,
+            () = cancel.cancelled() => return None,
+        };
+        match first {
+            Ok(m) => batch.push(copy(&m)),
+            Err(e) => {
+                warn!(error = %e, "consumer error");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return Some(batch);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.max_wait;
+        while batch.len() < self.max_messages {
+            tokio::select! {
+                m = self.consumer.recv() => match m {
+                    Ok(m) => batch.push(copy(&m)),
+                    Err(e) => { warn!(error = %e, "consumer error"); break; }
+                },
+                () = tokio::time::sleep_until(deadline) => break,
+                () = cancel.cancelled() => break,
+            }
+        }
+        Some(batch)
+    }
+
+    /// Processes a batch, partitions concurrently; returns (partition, last offset) for
+    /// every partition batch that is stored.
+    async fn process(&self, batch: Vec<Record>, cancel: &CancellationToken) -> Vec<(i32, i64)> {
+        IngestStats::add(&self.shared.stats.records, batch.len() as u64);
+        let mut by_partition: BTreeMap<i32, Vec<Record>> = BTreeMap::new();
+        for record in batch {
+            by_partition
+                .entry(record.partition)
+                .or_default()
+                .push(record);
+        }
+        let mut tasks = JoinSet::new();
+        for (partition, records) in by_partition {
+            let shared = self.shared.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                let last = records.last().map(|r| r.offset);
+                let stored = shared
+                    .store_partition_batch(partition, records, &cancel)
+                    .await;
+                last.filter(|_| stored).map(|offset| (partition, offset))
+            });
+        }
+        let mut stored = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok(Some(pair)) => stored.push(pair),
+                Ok(_) => {}
+                Err(e) => warn!(error = %e, "partition task failed"),
+            }
+        }
+        stored
+    }
+
+    fn store_offsets(&self, stored: &[(i32, i64)]) {
+        let mut list = TopicPartitionList::new();
+        for (partition, offset) in stored {
+            if let Err(e) = list.add_partition_offset(
+                &self.shared.proposals,
+                *partition,
+                Offset::Offset(offset + 1),
+            ) {
+                warn!(error = %e, partition, "building the offset list");
+            }
+        }
+        // A partition revoked meanwhile cannot be stored: its new owner re-reads the batch,
+        // which dedupes in the inbox.
+        if let Err(e) = self.consumer.store_offsets(&list) {
+            debug!(error = %e, "storing offsets");
+        }
+        if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Async) {
+            debug!(error = %e, "committing offsets");
+        }
+    }
+}
+
+fn copy(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
+    Record {
+        partition: m.partition(),
+        offset: m.offset(),
+        timestamp_ms: m.timestamp().to_millis(),
+        key: m.key().map(<[u8]>::to_vec),
+        payload: m.payload().map(<[u8]>::to_vec),
+        headers: m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+impl Shared {
+    /// Dead-letters and ingests one partition's batch, retrying in place until it is
+    /// stored (true) or the worker is cancelled (false).
+    async fn store_partition_batch(
+        &self,
+        partition: i32,
+        records: Vec<Record>,
+        cancel: &CancellationToken,
+    ) -> bool {
+        let mut items = Vec::with_capacity(records.len());
+        let mut dead = Vec::new();
+        for record in &records {
+            let (item, letter) = self.classify(record);
+            if let Some(letter) = letter {
+                dead.push((record, letter));
+            }
+            items.push(item);
+        }
+        let mut delivered = vec![false; dead.len()];
+        let mut backoff = crate::stall_backoff();
+        loop {
+            match self.try_store(&items, &dead, &mut delivered).await {
+                Ok(()) => return true,
+                Err(e) => {
+                    let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+                    warn!(error = %e, partition, retry_in_ms = delay.as_millis() as u64,
+                        "partition batch not stored; the partition waits");
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = cancel.cancelled() => return false,
+                    }
+                }
+            }
+        }
+    }
+
+    async fn try_store(
+        &self,
+        items: &[IngestItem],
+        dead: &[(&Record, DeadLetter)],
+        delivered: &mut [bool],
+    ) -> Result<()> {
+        for ((record, letter), done) in dead.iter().zip(delivered.iter_mut()) {
+            if !*done {
+                self.dead_letter(record, letter).await?;
+                *done = true;
+                IngestStats::add(&self.stats.dead_lettered, 1);
+            }
+        }
+        let outcomes = self.ledger.ingest(items).await?;
+        IngestStats::add(&self.stats.batches, 1);
+        for outcome in outcomes {
+            let counter = match (&outcome.decision, outcome.inbox_hit) {
+                (_, true) => &self.stats.deduplicated_inbox,
+                (IngestDecision::Accepted, false) => &self.stats.accepted,
+                (IngestDecision::Deduplicated { .. }, false) => &self.stats.deduplicated_key,
+                (IngestDecision::Rejected { .. }, false) => &self.stats.rejected,
+            };
+            IngestStats::add(counter, 1);
+        }
+        Ok(())
+    }
+
+    /// Decodes and prepares a record: the ingest item, and a dead letter when the record
+    /// is poison (not JSON, schema violation, oversize, unknown tool).
+    fn classify(&self, record: &Record) -> (IngestItem, Option<DeadLetter>) {
+        let delivery = Delivery {
+            source: Source::Kafka {
+                topic: self.proposals.clone(),
+                partition: record.partition,
+                offset: record.offset,
+            },
+            traceparent: record.header(TRACEPARENT),
+        };
+        let bytes = record.payload.as_deref().unwrap_or_default();
+        let mut proposal = match Proposal::decode(bytes, &self.limits) {
+            Ok(p) => p,
+            Err(e) => {
+                let event_id = best_effort_event_id(bytes);
+                let letter = DeadLetter {
+                    reason: e.reason(),
+                    field: e.field().map(str::to_owned),
+                    message: e.to_string(),
+                    event_id: event_id.clone(),
+                };
+                let rejected = RejectedProposal {
+                    event_id: event_id.unwrap_or_else(|| {
+                        format!(
+                            "kafka:{}:{}:{}",
+                            self.proposals, record.partition, record.offset
+                        )
+                    }),
+                    delivery,
+                    namespace: None,
+                    workflow_id: None,
+                    step: None,
+                    tool: None,
+                    entity: None,
+                    rejection: Rejection {
+                        reason: e.reason(),
+                        message: e.to_string(),
+                    },
+                };
+                return (IngestItem::Rejected(Box::new(rejected)), Some(letter));
+            }
+        };
+        if let Some(agent) = record.header(AGENT_HEADER) {
+            match &proposal.agent_id {
+                None => proposal.agent_id = Some(agent),
+                Some(claimed) if *claimed != agent => {
+                    let rejection = Rejection {
+                        reason: "agent_mismatch",
+                        message: format!(
+                            "agent_id `{claimed}` does not match the `{AGENT_HEADER}` header `{agent}`"
+                        ),
+                    };
+                    let rejected = RejectedProposal::of(&proposal, delivery, rejection);
+                    return (IngestItem::Rejected(Box::new(rejected)), None);
+                }
+                Some(_) => {}
+            }
+        }
+        let item = IngestItem::from_proposal(&self.registry, &proposal, delivery);
+        let letter = match &item {
+            IngestItem::Rejected(r) if r.rejection.reason == "unknown_tool" => Some(DeadLetter {
+                reason: "unknown_tool",
+                field: Some("tool".into()),
+                message: r.rejection.message.clone(),
+                event_id: Some(proposal.event_id.clone()),
+            }),
+            _ => None,
+        };
+        (item, letter)
+    }
+
+    /// Writes the original record to the DLQ with the reason in headers, and waits for
+    /// the broker's acknowledgement.
+    async fn dead_letter(&self, record: &Record, letter: &DeadLetter) -> Result<()> {
+        let mut headers = OwnedHeaders::new();
+        for (key, value) in &record.headers {
+            headers = headers.insert(Header {
+                key,
+                value: value.as_deref(),
+            });
+        }
+        let partition = record.partition.to_string();
+        let offset = record.offset.to_string();
+        let at = opgate_core::canonical::format_utc(time::OffsetDateTime::now_utc());
+        let mut add = |key: &str, value: &str| {
+            headers = std::mem::replace(&mut headers, OwnedHeaders::new()).insert(Header {
+                key,
+                value: Some(value),
+            });
+        };
+        add("opgate.dlq.reason", letter.reason);
+        add("opgate.dlq.message", &letter.message);
+        if let Some(field) = &letter.field {
+            add("opgate.dlq.field", field);
+        }
+        if let Some(event_id) = &letter.event_id {
+            add("opgate.dlq.event_id", event_id);
+        }
+        add("opgate.dlq.source.topic", &self.proposals);
+        add("opgate.dlq.source.partition", &partition);
+        add("opgate.dlq.source.offset", &offset);
+        add("opgate.dlq.at", &at);
+        let mut out = FutureRecord::<[u8], [u8]>::to(&self.dlq_topic).headers(headers);
+        if let Some(key) = &record.key {
+            out = out.key(key.as_slice());
+        }
+        if let Some(payload) = &record.payload {
+            out = out.payload(payload.as_slice());
+        }
+        if let Some(ts) = record.timestamp_ms {
+            out = out.timestamp(ts);
+        }
+        self.producer
+            .send(out, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| Error::Kafka(e))?;
+        warn!(reason = letter.reason, partition = record.partition, offset = record.offset,
+            message = %letter.message, "proposal dead-lettered");
+        Ok(())
+    }
+}
+
+/// The `event_id` of a message that is JSON but not a valid proposal, when readable.
+fn best_effort_event_id(bytes: &[u8]) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    value
+        .get("event_id")?
+        .as_str()
+        .filter(|s| !s.trim().is_empty())
+        .map(str::to_owned)
+}
