@@ -23,6 +23,7 @@ enum Command {
     RequestErrors(RDKafkaApiKey, Vec<RDKafkaRespErr>, Reply),
     ClearRequestErrors(RDKafkaApiKey, Reply),
     CreateTopic(String, i32, Reply),
+    TopicError(String, RDKafkaRespErr, Reply),
 }
 
 /// A running mock cluster. Dropping it stops the cluster.
@@ -83,6 +84,9 @@ impl EmbeddedBroker {
                         Command::CreateTopic(name, partitions, reply) => {
                             drop(reply.send(cluster.create_topic(&name, partitions, 1)));
                         }
+                        Command::TopicError(name, error, reply) => {
+                            drop(reply.send(cluster.topic_error(&name, error)));
+                        }
                     }
                 }
             })
@@ -139,6 +143,12 @@ impl EmbeddedBroker {
     /// Clears injected request errors of one API.
     pub fn clear_request_errors(&self, api: RDKafkaApiKey) -> Result<()> {
         self.send(|r| Command::ClearRequestErrors(api, r))
+    }
+
+    /// Makes every request on a topic fail with `error` until set back to `NoError`.
+    pub fn topic_error(&self, name: &str, error: RDKafkaRespErr) -> Result<()> {
+        let name = name.to_owned();
+        self.send(|r| Command::TopicError(name, error, r))
     }
 
     /// Creates another topic.

@@ -129,6 +129,8 @@ struct DeadLetter {
 }
 
 struct Shared {
+    /// Test crash point: stop dead after this many ledger commits, before storing offsets.
+    crash_after_commits: Option<u64>,
     ledger: SharedLedger,
     registry: Arc<Registry>,
     limits: Limits,
@@ -166,6 +168,7 @@ impl IngestWorker {
         Ok(Self {
             consumer,
             shared: Arc::new(Shared {
+                crash_after_commits: None,
                 ledger,
                 registry,
                 limits,
@@ -177,6 +180,16 @@ impl IngestWorker {
             max_messages: config.batch.max_messages.max(1),
             max_wait: Duration::from_millis(config.batch.max_wait_ms),
         })
+    }
+
+    /// A crash point for tests: after `commits` ledger commits the worker stops dead —
+    /// no offset stored, no commit, no goodbye to the group — as a killed process would.
+    #[doc(hidden)]
+    pub fn crash_after_commits(mut self, commits: u64) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.crash_after_commits = Some(commits);
+        }
+        self
     }
 
     /// The worker's counters.
@@ -195,6 +208,12 @@ impl IngestWorker {
                 continue;
             }
             let stored = self.process(batch, &cancel).await;
+            if let Some(limit) = self.shared.crash_after_commits {
+                if IngestStats::get(&self.shared.stats.batches) >= limit {
+                    warn!("crash point reached: stopping without storing offsets");
+                    return Err(Error::Crashed);
+                }
+            }
             if !stored.is_empty() {
                 self.store_offsets(&stored);
             }

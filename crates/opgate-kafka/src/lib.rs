@@ -37,6 +37,9 @@ pub enum Error {
     /// A topic administration failure.
     #[error("topics: {0}")]
     Admin(String),
+    /// A test crash point fired.
+    #[error("crash point reached")]
+    Crashed,
     /// The embedded broker failed.
     #[error("embedded broker: {0}")]
     Embedded(String),

@@ -17,14 +17,18 @@ use tracing::{debug, info, warn};
 use crate::Result;
 use crate::config::{KafkaConfig, RESULTS};
 
-/// An idempotent producer with the pass-through client properties.
+/// An idempotent producer: `enable.idempotence` and `acks=all` are forced; batching and
+/// timeouts have defaults that `[kafka.client]` may override.
 pub(crate) fn idempotent_producer(config: &KafkaConfig) -> Result<FutureProducer> {
     let mut producer_config = config.client_config()?;
+    for (key, default) in [("linger.ms", "5"), ("message.timeout.ms", "30000")] {
+        if producer_config.get(key).is_none() {
+            producer_config.set(key, default);
+        }
+    }
     producer_config
         .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "5")
-        .set("message.timeout.ms", "30000");
+        .set("acks", "all");
     Ok(producer_config.create()?)
 }
 
