@@ -1,16 +1,23 @@
 //! The `opgate` binary: CLI, config loading and wiring. This is the only crate that
 //! picks concrete adapters.
 //!
-//! Implemented so far: `opgate migrate` and `opgate config check`. The other verbs of
-//! DESIGN.md section 6 (`dev`, `run`, `topics`, `propose`, `ops`, `sim`) land with
-//! their issues.
+//! Built so far: `migrate`, `config check`, `topics create`, `run --roles ingest,relay`
+//! and `bench ingest`. The other verbs of DESIGN.md section 6 (`dev`, `propose`, `ops`,
+//! `sim`) and the dispatch, reconcile and api roles land with their issues.
+
+mod bench;
+mod config;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
-use opgate_core::Registry;
+use config::Config;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
 
 /// opgate: the execution layer between LLM agents and the side effects they ask for.
 #[derive(Debug, Parser)]
@@ -33,11 +40,46 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Topic administration.
+    Topics {
+        #[command(subcommand)]
+        command: TopicsCommand,
+    },
+    /// Run opgate's roles against real Kafka and the configured ledger.
+    Run {
+        /// The config file.
+        #[arg(long, short, env = "OPGATE_CONFIG")]
+        config: PathBuf,
+        /// Comma-separated roles: ingest, relay (dispatch, reconcile and api are coming).
+        #[arg(long, value_delimiter = ',', default_value = "ingest,relay")]
+        roles: Vec<String>,
+    },
+    /// Everything in one process on the embedded default: an in-process Kafka-protocol
+    /// broker (librdkafka's mock cluster), a SQLite ledger, the ingest and relay roles.
+    Dev {
+        /// The SQLite ledger file.
+        #[arg(long, default_value = "opgate-dev.db")]
+        ledger: PathBuf,
+        /// Delete the ledger file first.
+        #[arg(long)]
+        fresh: bool,
+        /// A config file for the tool registry and limits (its [kafka] and [database] are ignored).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// The scripted agent fleet (coming with the product-surface issue).
+        #[arg(long)]
+        demo: bool,
+    },
+    /// Benchmarks that print figures and can append them to BENCHMARKS.md.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 enum ConfigCommand {
-    /// Validate the `[[tools]]` and `[[agents]]` of a config file; errors name the tool and field.
+    /// Validate a config file; errors name the table, tool and field at fault.
     Check {
         /// The config file.
         #[arg(long, short, env = "OPGATE_CONFIG")]
@@ -45,11 +87,28 @@ enum ConfigCommand {
     },
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+#[derive(Debug, Subcommand)]
+enum TopicsCommand {
+    /// Create missing topics from `topics/` and report drift on existing ones (idempotent).
+    Create {
+        /// The config file (its `[kafka]` table).
+        #[arg(long, short, env = "OPGATE_CONFIG")]
+        config: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Kafka ingest throughput on the embedded broker.
+    Ingest(bench::IngestBench),
+}
+
+#[tokio::main(flavor = "multi_thread")]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,rdkafka=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -74,10 +133,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Config {
             command: ConfigCommand::Check { config },
         } => {
-            let text = std::fs::read_to_string(&config)
-                .with_context(|| format!("reading {}", config.display()))?;
-            let registry = Registry::from_toml(&text)?;
-            for tool in registry.tools() {
+            let config = Config::load(&config)?;
+            for tool in config.registry.tools() {
                 println!(
                     "{:<28} {:<24} key={}",
                     tool.name,
@@ -88,7 +145,185 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         .unwrap_or_else(|| format!("{:?}", tool.key_strategy).to_lowercase())
                 );
             }
+            println!("config ok");
         }
+        Command::Topics {
+            command: TopicsCommand::Create { config },
+        } => {
+            let config = Config::load(&config)?;
+            let kafka = config.kafka()?;
+            let specs = opgate_kafka::topics::builtin_specs()?;
+            let mut drift = false;
+            for (name, status) in opgate_kafka::topics::ensure_topics(kafka, &specs).await? {
+                match status {
+                    opgate_kafka::topics::TopicStatus::Created => println!("{name}: created"),
+                    opgate_kafka::topics::TopicStatus::Matches => println!("{name}: ok"),
+                    opgate_kafka::topics::TopicStatus::Drift(diffs) => {
+                        drift = true;
+                        println!("{name}: DRIFT");
+                        for d in diffs {
+                            println!("  {d}");
+                        }
+                    }
+                }
+            }
+            if drift {
+                bail!("some topics differ from their specs (see above)");
+            }
+        }
+        Command::Run { config, roles } => run_roles(&Config::load(&config)?, &roles).await?,
+        Command::Dev {
+            ledger,
+            fresh,
+            config,
+            demo,
+        } => dev(ledger, fresh, config, demo).await?,
+        Command::Bench {
+            command: BenchCommand::Ingest(opts),
+        } => bench::ingest(opts).await?,
     }
     Ok(())
+}
+
+/// Runs the chosen roles until SIGTERM or Ctrl-C, then drains: the ingest worker
+/// finishes or abandons its batch, commits offsets and leaves the group; the relay
+/// finishes its round.
+async fn run_roles(config: &Config, roles: &[String]) -> anyhow::Result<()> {
+    for role in roles {
+        if !matches!(role.as_str(), "ingest" | "relay") {
+            bail!("role `{role}` is not built yet (built: ingest, relay)");
+        }
+    }
+    let kafka = config.kafka()?;
+    let ledger = opgate_store::open(&config.database_url()?).await?;
+    let registry = Arc::new(config.registry.clone());
+    let cancel = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let owner = format!("{}-{}", hostname(), std::process::id());
+    if roles.iter().any(|r| r == "ingest") {
+        let worker =
+            opgate_kafka::IngestWorker::new(kafka, ledger.clone(), registry, config.limits)?;
+        tasks.spawn(worker.run(cancel.child_token()));
+    }
+    if roles.iter().any(|r| r == "relay") {
+        let relay = opgate_kafka::ResultsRelay::new(
+            kafka,
+            ledger.clone(),
+            owner,
+            500,
+            Duration::from_secs(30),
+        )?;
+        tasks.spawn(relay.run(cancel.child_token()));
+    }
+    info!(roles = %roles.join(","), "opgate running");
+    tokio::select! {
+        () = shutdown_signal() => info!("shutting down"),
+        Some(done) = tasks.join_next() => {
+            cancel.cancel();
+            done??;
+            bail!("a role stopped on its own");
+        }
+    }
+    cancel.cancel();
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(())
+}
+
+/// `opgate dev`: the embedded broker and a SQLite ledger, with the ingest and relay roles.
+async fn dev(
+    ledger: PathBuf,
+    fresh: bool,
+    config: Option<PathBuf>,
+    demo: bool,
+) -> anyhow::Result<()> {
+    if demo {
+        bail!(
+            "`opgate dev --demo` (the scripted agent fleet) lands with the product-surface issue; `opgate dev` runs the Kafka path now"
+        );
+    }
+    let mut config = match config {
+        Some(path) => Config::load(&path)?,
+        None => Config::parse(DEV_TOOLS)?,
+    };
+    if fresh {
+        for suffix in ["", "-wal", "-shm"] {
+            let path = PathBuf::from(format!("{}{suffix}", ledger.display()));
+            if path.exists() {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
+    }
+    let url = format!("sqlite://{}", ledger.display());
+    opgate_store::migrate(&url).await?;
+    let specs = opgate_kafka::topics::builtin_specs()?;
+    let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
+    let bootstrap = broker.bootstrap_servers().to_owned();
+    config.kafka = Some(opgate_kafka::KafkaConfig::new(bootstrap.clone()));
+    config.database = Some(config::DatabaseConfig { url: url.clone() });
+    println!("opgate dev");
+    println!(
+        "  kafka bootstrap: {bootstrap}   (topics: opgate.proposals, opgate.results, opgate.dlq)"
+    );
+    println!("  ledger:          {}", ledger.display());
+    println!("  try:");
+    println!(
+        "    echo '{{\"event_id\":\"evt-1\",\"tool\":\"capture_payment\",\"entity\":{{\"type\":\"order\",\"id\":\"order_123\"}},\"args\":{{\"amount\":\"49.00\",\"currency\":\"usd\"}}}}' \\\n      | kcat -P -b {bootstrap} -t opgate.proposals -k order:order_123"
+    );
+    println!("    kcat -C -b {bootstrap} -t opgate.results -o beginning");
+    let result = run_roles(&config, &["ingest".to_owned(), "relay".to_owned()]).await;
+    drop(broker);
+    result
+}
+
+/// The tools `opgate dev` knows without a config file.
+const DEV_TOOLS: &str = r#"
+[[tools]]
+name = "capture_payment"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = ["trim", "upper"]
+
+[[tools]]
+name = "send_email"
+side_effect_class = "external_non_idempotent"
+entity = "user"
+key = "email:{entity}:{args.template}"
+[tools.args]
+to = "email"
+template = "lower"
+
+[[tools]]
+name = "create_ticket"
+side_effect_class = "external_idempotent"
+key_strategy = "workflow_step"
+"#;
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME").unwrap_or_else(|_| "opgate".to_owned())
 }

@@ -1,0 +1,199 @@
+//! `opgate bench ingest`: the Kafka ingest path's throughput, measured end to end on the
+//! embedded broker (librdkafka's mock cluster) and a real ledger, written to BENCHMARKS.md.
+//!
+//! The workload is the one the tests check for exactness: N records on P partitions, 20%
+//! of them redeliveries of earlier events and 10% the same payment spelled differently.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use opgate_core::{Limits, Registry};
+use opgate_kafka::config::PROPOSALS;
+use opgate_kafka::topics::builtin_specs;
+use opgate_kafka::{EmbeddedBroker, IngestStats, IngestWorker, KafkaConfig};
+use rand::{Rng, SeedableRng};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio_util::sync::CancellationToken;
+
+const TOOLS: &str = r#"
+[[tools]]
+name = "pay"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+"#;
+
+/// Options of `opgate bench ingest`.
+#[derive(Debug, clap::Args)]
+pub struct IngestBench {
+    /// Records to produce.
+    #[arg(long, default_value_t = 10_000)]
+    pub proposals: usize,
+    /// Partitions of the proposals topic.
+    #[arg(long, default_value_t = 8)]
+    pub partitions: i32,
+    /// Records per ingest batch.
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    /// Ledger URL (default: a fresh SQLite file in the temp dir).
+    #[arg(long)]
+    pub database_url: Option<String>,
+    /// Append the figures to this Markdown file.
+    #[arg(long)]
+    pub write: Option<PathBuf>,
+}
+
+/// Runs the ingest benchmark and prints (and optionally records) the figures.
+pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
+    let mut specs = builtin_specs()?;
+    for spec in &mut specs {
+        if spec.name == PROPOSALS {
+            spec.partitions = opts.partitions;
+        }
+    }
+    let broker = EmbeddedBroker::start(1, "", &specs)?;
+    let mut config = KafkaConfig::new(broker.bootstrap_servers());
+    config.batch.max_messages = opts.batch;
+
+    let (url, backend) = match &opts.database_url {
+        Some(url) => (
+            url.clone(),
+            if url.starts_with("postgres") {
+                "PostgreSQL"
+            } else {
+                "SQLite"
+            },
+        ),
+        None => {
+            let path = std::env::temp_dir().join(format!("opgate-bench-{}.db", uuid_like()));
+            (format!("sqlite://{}", path.display()), "SQLite")
+        }
+    };
+    opgate_store::migrate(&url).await?;
+    let ledger = opgate_store::open(&url).await?;
+    if !ledger
+        .list(&Default::default())
+        .await?
+        .operations
+        .is_empty()
+    {
+        bail!("the benchmark needs an empty ledger: {url}");
+    }
+
+    let (records, events, keys) = workload(opts.proposals, 42);
+    let producer: FutureProducer = config.client_config()?.create()?;
+    let topic = config.topic(PROPOSALS);
+    let mut pending = Vec::with_capacity(records.len());
+    for (key, value) in &records {
+        pending.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(key).payload(value))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for p in pending {
+        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
+    }
+
+    let registry = Arc::new(Registry::from_toml(TOOLS)?);
+    let worker = IngestWorker::new(&config, ledger.clone(), registry, Limits::default())?;
+    let stats = worker.stats();
+    let cancel = CancellationToken::new();
+    let started = Instant::now();
+    let handle = tokio::spawn(worker.run(cancel.clone()));
+    let total = |s: &IngestStats| {
+        IngestStats::get(&s.accepted)
+            + IngestStats::get(&s.deduplicated_key)
+            + IngestStats::get(&s.deduplicated_inbox)
+            + IngestStats::get(&s.rejected)
+    };
+    while total(&stats) < records.len() as u64 {
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("ingest did not finish in 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    cancel.cancel();
+    handle.await??;
+
+    let accepted = IngestStats::get(&stats.accepted);
+    if accepted != keys as u64 {
+        bail!("expected {keys} operations, the worker accepted {accepted}");
+    }
+    let rate = records.len() as f64 / elapsed.as_secs_f64();
+    let batches = IngestStats::get(&stats.batches);
+    let line = format!(
+        "| {} | {} | {} | {} | {backend} | {} | {:.2} s | **{:.0}** | {batches} |",
+        today(),
+        records.len(),
+        events,
+        keys,
+        opts.partitions,
+        elapsed.as_secs_f64(),
+        rate
+    );
+    println!(
+        "ingest: {} records ({events} events, {keys} keys) on {} partitions into {backend}: {:.2} s, {rate:.0} proposals/s, {batches} ledger transactions",
+        records.len(),
+        opts.partitions,
+        elapsed.as_secs_f64()
+    );
+    if let Some(path) = opts.write {
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&path)?;
+        writeln!(file, "{line}")?;
+        println!("appended to {}", path.display());
+    }
+    Ok(())
+}
+
+/// (records as (key, value)), distinct events, distinct keys.
+fn workload(n: usize, seed: u64) -> (Vec<(String, Vec<u8>)>, usize, usize) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let events = n * 8 / 10;
+    let keys = events * 7 / 8;
+    let entities = (keys / 10).max(1);
+    let make = |event: String, k: usize, spelled: bool| {
+        let order = format!("o{}", k % entities);
+        let amount = if spelled {
+            format!("{}", k / entities + 1)
+        } else {
+            format!("{}.00", k / entities + 1)
+        };
+        let value = serde_json::json!({"event_id": event, "namespace": "bench", "tool": "pay",
+            "entity": {"type": "order", "id": order}, "args": {"amount": amount, "currency": "usd"}});
+        (format!("order:{order}"), value.to_string().into_bytes())
+    };
+    let mut records: Vec<_> = (0..keys).map(|k| make(format!("e{k}"), k, false)).collect();
+    for i in 0..events - keys {
+        records.push(make(format!("d{i}"), rng.random_range(0..keys), true));
+    }
+    for _ in 0..n - events {
+        let pick = records[rng.random_range(0..events)].clone();
+        records.push(pick);
+    }
+    (records, events, keys)
+}
+
+fn today() -> String {
+    let now = time::OffsetDateTime::now_utc();
+    format!(
+        "{:04}-{:02}-{:02}",
+        now.year(),
+        u8::from(now.month()),
+        now.day()
+    )
+}
+
+fn uuid_like() -> String {
+    format!("{:x}", rand::random::<u64>())
+}
