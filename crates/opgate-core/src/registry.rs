@@ -151,6 +151,14 @@ pub struct AdapterConfig {
     /// JSON pointer to the part of the body kept as the result (default: all of it).
     #[serde(default)]
     pub result_pointer: Option<String>,
+    /// Body field that carries the idempotency key, for providers that dedupe on a body
+    /// field (`client_reference`, `client_token`) rather than a header.
+    #[serde(default)]
+    pub key_body_field: Option<String>,
+    /// How long after an attempt a lookup miss is not yet proof that nothing happened
+    /// (providers with eventually consistent lookups), e.g. `10s` (default 5s).
+    #[serde(default)]
+    pub lookup_grace: Option<String>,
 }
 
 /// `[tools.retry]` as written.
@@ -275,8 +283,12 @@ pub struct Adapter {
     pub timeout: Duration,
     /// Provider key retention, when the provider honours idempotency keys.
     pub provider_retention: Option<Duration>,
+    /// Parsed dispatch URL.
+    pub url: Template,
     /// Parsed lookup URL.
     pub lookup_url: Option<Template>,
+    /// How long a lookup miss is not yet proof.
+    pub lookup_grace: Duration,
 }
 
 /// A validated compensation.
@@ -586,7 +598,10 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
                 "adapter.provider_retention",
                 &adapter.provider_retention,
             )?,
+            url,
             lookup_url,
+            lookup_grace: duration("adapter.lookup_grace", &adapter.lookup_grace)?
+                .unwrap_or(Duration::from_secs(5)),
         });
     }
 

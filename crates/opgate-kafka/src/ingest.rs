@@ -299,6 +299,7 @@ impl IngestWorker {
                 warn!(error = %e, partition, "building the offset list");
             }
         }
+        debug!(?stored, "batches stored; storing offsets");
         // A partition revoked meanwhile cannot be stored: its new owner re-reads the batch,
         // which dedupes in the inbox.
         if let Err(e) = self.consumer.store_offsets(&list) {

@@ -92,6 +92,11 @@ fn specs(proposal_partitions: i32) -> Vec<TopicSpec> {
 
 /// A fresh broker (or fresh topics on the real one) and a fresh ledger.
 pub async fn env(proposal_partitions: i32) -> Env {
+    // RUST_LOG=opgate_kafka=debug shows what the workers do.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
     let (ledger, sql) = ledger().await;
     let prefix = format!("t{}.", Uuid::now_v7().simple());

@@ -1,0 +1,400 @@
+//! The dispatcher: claim, call with the key, classify, record.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opgate_core::key::scoped_key;
+use opgate_core::outcome::{AdapterOutcome, Contract, classify, decide};
+use opgate_core::registry::Tool;
+use opgate_core::retry::OnExhausted;
+use opgate_core::{ErrorInfo, Event, Operation, Registry};
+use opgate_store::{AttemptReport, Claim, ClaimRequest, Recording, SharedLedger};
+use opgate_tools::{CallReport, DispatchRequest};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::{Adapters, between, resend_is_safe};
+
+/// Dispatcher settings.
+#[derive(Debug, Clone)]
+pub struct DispatcherConfig {
+    /// Lease holder name (host and process).
+    pub owner: String,
+    /// Lease per claim, on the database clock; must exceed every adapter timeout.
+    pub lease: Duration,
+    /// Most operations claimed per round.
+    pub batch: usize,
+    /// Most calls in flight overall.
+    pub concurrency: usize,
+    /// Most calls in flight per tool.
+    pub per_tool: usize,
+    /// Pause when there is nothing to claim.
+    pub idle: Duration,
+    /// When an acknowledged (202) operation is first looked up.
+    pub acknowledged_poll: Duration,
+    /// Seed of the jitter source (random when `None`).
+    pub seed: Option<u64>,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self {
+            owner: "dispatcher".into(),
+            lease: Duration::from_secs(60),
+            batch: 16,
+            concurrency: 64,
+            per_tool: 16,
+            idle: Duration::from_millis(50),
+            acknowledged_poll: Duration::from_secs(2),
+            seed: None,
+        }
+    }
+}
+
+/// Why a dispatcher cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The lease is too short for a tool's timeout.
+    #[error("dispatcher lease {lease:?} must exceed twice tool `{tool}`'s timeout {timeout:?}")]
+    LeaseTooShort {
+        /// Lease.
+        lease: Duration,
+        /// Tool.
+        tool: String,
+        /// Its timeout.
+        timeout: Duration,
+    },
+}
+
+struct Inner {
+    ledger: SharedLedger,
+    registry: Arc<Registry>,
+    adapters: Adapters,
+    config: DispatcherConfig,
+    per_tool: HashMap<String, Arc<Semaphore>>,
+    rng: Mutex<StdRng>,
+}
+
+/// Dispatches ready operations.
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+    permits: Arc<Semaphore>,
+}
+
+/// The label of an outcome in the attempts table and the history.
+pub(crate) fn outcome_label(outcome: &AdapterOutcome) -> &'static str {
+    match outcome {
+        AdapterOutcome::Committed {
+            acknowledged: false,
+        } => "committed",
+        AdapterOutcome::Committed { acknowledged: true } => "acknowledged",
+        other => other.error_category().unwrap_or("unknown"),
+    }
+}
+
+impl Dispatcher {
+    /// A dispatcher over the ledger with the tools' adapters.
+    pub fn new(
+        ledger: SharedLedger,
+        registry: Arc<Registry>,
+        adapters: Adapters,
+        config: DispatcherConfig,
+    ) -> Result<Self, ConfigError> {
+        for tool in registry.tools() {
+            if let Some(adapter) = &tool.adapter {
+                if config.lease <= adapter.timeout * 2 {
+                    return Err(ConfigError::LeaseTooShort {
+                        lease: config.lease,
+                        tool: tool.name.clone(),
+                        timeout: adapter.timeout,
+                    });
+                }
+            }
+        }
+        let per_tool = registry
+            .tools()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    Arc::new(Semaphore::new(config.per_tool.max(1))),
+                )
+            })
+            .collect();
+        let rng = match config.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Ok(Self {
+            permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            inner: Arc::new(Inner {
+                ledger,
+                registry,
+                adapters,
+                config,
+                per_tool,
+                rng: Mutex::new(rng),
+            }),
+        })
+    }
+
+    /// Dispatches until cancelled; then stops claiming and lets every call in flight
+    /// finish and be recorded (no operation is left half-recorded).
+    pub async fn run(self, cancel: CancellationToken) {
+        let tracker = TaskTracker::new();
+        let mut backoff = Duration::from_millis(50);
+        info!(owner = %self.inner.config.owner, "dispatcher started");
+        while !cancel.is_cancelled() {
+            let room = self
+                .permits
+                .available_permits()
+                .min(self.inner.config.batch);
+            let pause = if room == 0 {
+                self.inner.config.idle
+            } else {
+                match self.claim(room).await {
+                    Ok(claims) if claims.is_empty() => self.inner.config.idle,
+                    Ok(claims) => {
+                        backoff = Duration::from_millis(50);
+                        for claim in claims {
+                            let Ok(permit) = self.permits.clone().acquire_owned().await else {
+                                break;
+                            };
+                            let this = self.clone();
+                            tracker.spawn(async move {
+                                this.dispatch(claim).await;
+                                drop(permit);
+                            });
+                        }
+                        Duration::ZERO
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "claim failed");
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        backoff
+                    }
+                }
+            };
+            if !pause.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = cancel.cancelled() => {}
+                }
+            }
+        }
+        tracker.close();
+        tracker.wait().await;
+        info!("dispatcher stopped");
+    }
+
+    async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Claim>> {
+        let c = &self.inner.config;
+        self.inner
+            .ledger
+            .claim(&ClaimRequest {
+                owner: c.owner.clone(),
+                lease: c.lease,
+                limit,
+            })
+            .await
+    }
+
+    /// One round without the loop (tests): claim up to `limit`, dispatch them all, wait.
+    pub async fn run_once(&self, limit: usize) -> opgate_store::Result<usize> {
+        let claims = self.claim(limit).await?;
+        let n = claims.len();
+        let mut tasks = tokio::task::JoinSet::new();
+        for claim in claims {
+            let this = self.clone();
+            tasks.spawn(async move { this.dispatch(claim).await });
+        }
+        while tasks.join_next().await.is_some() {}
+        Ok(n)
+    }
+
+    /// Calls the tool for one claimed operation and records the outcome.
+    pub async fn dispatch(&self, claim: Claim) {
+        let inner = &self.inner;
+        let op = &claim.operation;
+        let attempt_id = claim.attempt_id.unwrap_or_default();
+        let Some(tool) = inner.registry.tool(&op.tool) else {
+            self.give_up(&claim, "tool_not_registered", Event::Escalate)
+                .await;
+            return;
+        };
+        let Some(adapter) = inner.adapters.get(&op.tool).cloned() else {
+            self.give_up(&claim, "no_adapter", Event::Escalate).await;
+            return;
+        };
+        if op.attempt_count > tool.retry.max_attempts {
+            let event = match tool.retry.on_exhausted {
+                OnExhausted::NeedsAttention => Event::Escalate,
+                OnExhausted::FailedPermanent => Event::FailPermanently,
+            };
+            self.give_up(&claim, "attempt_budget_exhausted", event)
+                .await;
+            return;
+        }
+        let _tool_permit = match inner.per_tool.get(&op.tool) {
+            Some(s) => s.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        let provider_key = scoped_key(&op.namespace, &op.idempotency_key);
+        let report = adapter
+            .dispatch(&DispatchRequest {
+                operation: op,
+                attempt_id,
+                provider_key: &provider_key,
+            })
+            .await;
+        let recording = self.decide(tool, &claim, &report);
+        let transition = recording.event;
+        match self.record(recording).await {
+            Some(after) => log_attempt(op, attempt_id, tool, &report, transition, Some(&after)),
+            None => log_attempt(op, attempt_id, tool, &report, transition, None),
+        }
+    }
+
+    fn decide(&self, tool: &Tool, claim: &Claim, report: &CallReport) -> Recording {
+        let op = &claim.operation;
+        let contract = Contract {
+            class: tool.side_effect_class,
+            five_xx: tool.five_xx(),
+            resend_is_safe: resend_is_safe(tool, op, claim.claimed_at),
+        };
+        let verdict = classify(&report.outcome, contract);
+        let elapsed = claim
+            .first_attempt_at
+            .map(|first| between(first, claim.claimed_at))
+            .unwrap_or_default()
+            + report.latency;
+        let decision = {
+            let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
+            decide(verdict, &tool.retry, op.attempt_count, elapsed, &mut *rng)
+        };
+        let next_in = decision.retry_in.or(match decision.event {
+            Event::Acknowledge => Some(self.inner.config.acknowledged_poll),
+            _ => None,
+        });
+        let retry_after_seconds = match &report.outcome {
+            AdapterOutcome::Throttled { retry_after } => retry_after.map(|d| d.as_secs()),
+            _ => None,
+        };
+        let error = report.outcome.error_category().map(|category| ErrorInfo {
+            category: category.to_owned(),
+            retryable: decision.retryable,
+            retry_after_seconds,
+            message: report.detail.clone(),
+        });
+        Recording {
+            operation_id: op.operation_id,
+            epoch: claim.epoch(),
+            event: decision.event,
+            reason: outcome_label(&report.outcome).to_owned(),
+            attempt: claim.attempt_id.map(|id| {
+                (
+                    id,
+                    AttemptReport {
+                        outcome: outcome_label(&report.outcome).to_owned(),
+                        http_status: report.http_status,
+                        error_category: report.outcome.error_category().map(str::to_owned),
+                        latency: Some(report.latency),
+                        provider_request_id: report.provider_request_id.clone(),
+                    },
+                )
+            }),
+            next_in,
+            result: report.result.clone(),
+            external_object_id: report.external_id.clone(),
+            external_request_id: report.provider_request_id.clone(),
+            error,
+        }
+    }
+
+    /// Ends an attempt that was claimed but never sent.
+    async fn give_up(&self, claim: &Claim, reason: &str, event: Event) {
+        warn!(operation_id = %claim.operation.operation_id, tool = %claim.operation.tool, reason, "not dispatched");
+        let mut rec = Recording::new(claim.operation.operation_id, claim.epoch(), event, reason);
+        rec.attempt = claim.attempt_id.map(|id| {
+            (
+                id,
+                AttemptReport {
+                    outcome: "not_sent".into(),
+                    error_category: Some(reason.to_owned()),
+                    ..AttemptReport::default()
+                },
+            )
+        });
+        rec.error = Some(ErrorInfo {
+            category: reason.to_owned(),
+            retryable: false,
+            retry_after_seconds: None,
+            message: None,
+        });
+        self.record(rec).await;
+    }
+
+    /// Records an outcome, retrying the write a few times: an outcome the provider
+    /// reported must not be lost to a database hiccup. If it still fails, the lease
+    /// expires and the reconciler looks the key up.
+    async fn record(&self, recording: Recording) -> Option<Operation> {
+        let mut delay = Duration::from_millis(50);
+        for _ in 0..6 {
+            match self
+                .inner
+                .ledger
+                .record(std::slice::from_ref(&recording))
+                .await
+            {
+                Ok(mut results) => match results.pop() {
+                    Some(Ok(op)) => return Some(op),
+                    Some(Err(e)) => {
+                        warn!(operation_id = %recording.operation_id, error = %e, "outcome not recorded");
+                        return None;
+                    }
+                    None => return None,
+                },
+                Err(e) => {
+                    warn!(operation_id = %recording.operation_id, error = %e, "recording failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The one structured line per attempt (DESIGN.md section 7).
+fn log_attempt(
+    op: &Operation,
+    attempt_id: uuid::Uuid,
+    tool: &Tool,
+    report: &CallReport,
+    event: Event,
+    after: Option<&Operation>,
+) {
+    info!(
+        target: "opgate::attempt",
+        workflow_id = op.workflow_id.as_deref().unwrap_or(""),
+        operation_id = %op.operation_id,
+        idempotency_key = %op.idempotency_key,
+        attempt_id = %attempt_id,
+        attempt = op.attempt_count,
+        tool = %op.tool,
+        side_effect_class = tool.side_effect_class.as_str(),
+        args_fingerprint = %op.args_fingerprint,
+        provider_request_id = report.provider_request_id.as_deref().unwrap_or(""),
+        transition = %format!("{} -> {}", op.status, after.map_or("(not recorded)", |a| a.status.as_str())),
+        event = event.name(),
+        latency_ms = report.latency.as_millis() as u64,
+        error_category = report.outcome.error_category().unwrap_or(""),
+        dedupe_decision = "miss",
+        "attempt"
+    );
+}

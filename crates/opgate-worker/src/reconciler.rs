@@ -1,0 +1,276 @@
+//! The reconciler: resolve operations whose outcome opgate does not know by looking the
+//! key up at the provider — never by sending again blindly.
+//!
+//! For each leased `unknown_outcome` (including a crashed dispatcher's expired lease) or
+//! `acknowledged` operation:
+//! - the provider has it -> `completed_success`, with its result;
+//! - the provider does not have it, and either its key retention covers a resend or the
+//!   miss is older than the tool's `lookup_grace` (so eventual consistency cannot explain
+//!   it) -> a safe re-dispatch (`pending_dispatch`, same key);
+//! - a miss inside the grace, a failing lookup, or an acknowledged operation still in
+//!   progress -> look again later, backing off;
+//! - no lookup configured, or the reconcile budget (the tool's `max_elapsed`) spent ->
+//!   `needs_attention`.
+//!
+//! The ledger records how long each ambiguity took to resolve (`unknown_for_ms`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opgate_core::key::scoped_key;
+use opgate_core::{ErrorInfo, Event, Registry, Status};
+use opgate_store::{Claim, ClaimRequest, Recording, SharedLedger};
+use opgate_tools::Lookup;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::{Adapters, between, resend_is_safe};
+
+/// Reconciler settings.
+#[derive(Debug, Clone)]
+pub struct ReconcilerConfig {
+    /// Lease holder name.
+    pub owner: String,
+    /// Lease per claimed operation.
+    pub lease: Duration,
+    /// Most operations per round.
+    pub batch: usize,
+    /// Most lookups in flight.
+    pub concurrency: usize,
+    /// Pause when there is nothing to reconcile.
+    pub idle: Duration,
+    /// Longest wait between lookups.
+    pub max_backoff: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            owner: "reconciler".into(),
+            lease: Duration::from_secs(60),
+            batch: 32,
+            concurrency: 32,
+            idle: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Resolves unknown outcomes.
+#[derive(Clone)]
+pub struct Reconciler {
+    ledger: SharedLedger,
+    registry: Arc<Registry>,
+    adapters: Adapters,
+    config: ReconcilerConfig,
+    permits: Arc<Semaphore>,
+}
+
+impl Reconciler {
+    /// A reconciler over the ledger with the tools' adapters.
+    pub fn new(
+        ledger: SharedLedger,
+        registry: Arc<Registry>,
+        adapters: Adapters,
+        config: ReconcilerConfig,
+    ) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            ledger,
+            registry,
+            adapters,
+            config,
+        }
+    }
+
+    /// Reconciles until cancelled, then lets lookups in flight finish and be recorded.
+    pub async fn run(self, cancel: CancellationToken) {
+        let tracker = TaskTracker::new();
+        info!(owner = %self.config.owner, "reconciler started");
+        while !cancel.is_cancelled() {
+            let pause = match self.claim().await {
+                Ok(claims) if claims.is_empty() => self.config.idle,
+                Ok(claims) => {
+                    for claim in claims {
+                        let Ok(permit) = self.permits.clone().acquire_owned().await else {
+                            break;
+                        };
+                        let this = self.clone();
+                        tracker.spawn(async move {
+                            this.reconcile(claim).await;
+                            drop(permit);
+                        });
+                    }
+                    Duration::ZERO
+                }
+                Err(e) => {
+                    warn!(error = %e, "reconcile claim failed");
+                    Duration::from_secs(1)
+                }
+            };
+            if !pause.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = cancel.cancelled() => {}
+                }
+            }
+        }
+        tracker.close();
+        tracker.wait().await;
+        info!("reconciler stopped");
+    }
+
+    async fn claim(&self) -> opgate_store::Result<Vec<Claim>> {
+        self.ledger
+            .claim_reconcile(&ClaimRequest {
+                owner: self.config.owner.clone(),
+                lease: self.config.lease,
+                limit: self.config.batch,
+            })
+            .await
+    }
+
+    /// One round without the loop (tests): claim, reconcile all, wait.
+    pub async fn run_once(&self) -> opgate_store::Result<usize> {
+        let claims = self.claim().await?;
+        let n = claims.len();
+        let mut tasks = tokio::task::JoinSet::new();
+        for claim in claims {
+            let this = self.clone();
+            tasks.spawn(async move { this.reconcile(claim).await });
+        }
+        while tasks.join_next().await.is_some() {}
+        Ok(n)
+    }
+
+    /// Looks one operation up and records what follows.
+    pub async fn reconcile(&self, claim: Claim) {
+        let op = &claim.operation;
+        let now = claim.claimed_at;
+        let epoch = claim.epoch();
+        let escalate = |reason: &str, message: String| {
+            let mut rec = Recording::new(op.operation_id, epoch, Event::Escalate, reason);
+            rec.error = Some(ErrorInfo {
+                category: reason.to_owned(),
+                retryable: false,
+                retry_after_seconds: None,
+                message: Some(message),
+            });
+            rec
+        };
+        let tool = self.registry.tool(&op.tool);
+        let adapter = self.adapters.get(&op.tool);
+        let since = match op.status {
+            Status::Acknowledged => op.first_attempt_at,
+            _ => op.unknown_since,
+        }
+        .unwrap_or(now);
+        let waited = between(since, now);
+        let recording = match (tool, adapter) {
+            (Some(tool), Some(adapter)) => {
+                let budget = tool.retry.max_elapsed;
+                let grace = tool
+                    .adapter
+                    .as_ref()
+                    .map(|a| a.lookup_grace)
+                    .unwrap_or_default();
+                let again = |reason: &str| {
+                    let mut rec =
+                        Recording::new(op.operation_id, epoch, Event::StillUnknown, reason);
+                    rec.next_in = Some(
+                        (waited / 2).clamp(Duration::from_millis(250), self.config.max_backoff),
+                    );
+                    rec
+                };
+                match adapter
+                    .lookup(op, &scoped_key(&op.namespace, &op.idempotency_key))
+                    .await
+                {
+                    None => escalate(
+                        "no_lookup",
+                        format!(
+                            "tool `{}` has no lookup_url; a person must check the provider",
+                            op.tool
+                        ),
+                    ),
+                    Some(Lookup::Found {
+                        result,
+                        external_id,
+                    }) => Recording {
+                        result,
+                        external_object_id: external_id,
+                        ..Recording::new(op.operation_id, epoch, Event::Succeed, "lookup_found")
+                    },
+                    Some(Lookup::NotFound) if op.status == Status::Acknowledged => {
+                        if waited > budget {
+                            escalate(
+                                "acknowledged_never_completed",
+                                format!("accepted {waited:?} ago and still not found"),
+                            )
+                        } else {
+                            again("still_processing")
+                        }
+                    }
+                    Some(Lookup::NotFound) => {
+                        if resend_is_safe(tool, op, now) {
+                            Recording::new(
+                                op.operation_id,
+                                epoch,
+                                Event::Redispatch,
+                                "lookup_missed_resend_safe",
+                            )
+                        } else if waited >= grace {
+                            Recording::new(
+                                op.operation_id,
+                                epoch,
+                                Event::Redispatch,
+                                "lookup_proved_absent",
+                            )
+                        } else {
+                            let mut rec = again("lookup_missed_within_grace");
+                            rec.next_in = Some((grace - waited).max(Duration::from_millis(100)));
+                            rec
+                        }
+                    }
+                    Some(Lookup::Failed(e)) if waited > budget => escalate("lookup_failing", e),
+                    Some(Lookup::Failed(e)) => {
+                        warn!(operation_id = %op.operation_id, error = %e, "lookup failed");
+                        again("lookup_failed")
+                    }
+                }
+            }
+            _ => escalate(
+                "no_adapter",
+                format!("tool `{}` is not registered with an adapter", op.tool),
+            ),
+        };
+        let event = recording.event;
+        let reason = recording.reason.clone();
+        match self.ledger.record(&[recording]).await {
+            Ok(mut results) => match results.pop() {
+                Some(Ok(after)) => info!(
+                    target: "opgate::attempt",
+                    workflow_id = op.workflow_id.as_deref().unwrap_or(""),
+                    operation_id = %op.operation_id,
+                    idempotency_key = %op.idempotency_key,
+                    tool = %op.tool,
+                    args_fingerprint = %op.args_fingerprint,
+                    transition = %format!("{} -> {}", op.status, after.status),
+                    event = event.name(),
+                    reason = %reason,
+                    unknown_for_ms = waited.as_millis() as u64,
+                    "reconcile"
+                ),
+                Some(Err(e)) => {
+                    warn!(operation_id = %op.operation_id, error = %e, "reconcile outcome not recorded")
+                }
+                None => {}
+            },
+            Err(e) => {
+                warn!(operation_id = %op.operation_id, error = %e, "reconcile recording failed; the lease will expire")
+            }
+        }
+    }
+}
