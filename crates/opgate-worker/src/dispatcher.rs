@@ -39,6 +39,9 @@ pub struct DispatcherConfig {
     pub acknowledged_poll: Duration,
     /// Seed of the jitter source (random when `None`).
     pub seed: Option<u64>,
+    /// Test crash point: abort the process right after a claim, before the call.
+    #[doc(hidden)]
+    pub crash_after_claim: bool,
 }
 
 impl Default for DispatcherConfig {
@@ -52,6 +55,7 @@ impl Default for DispatcherConfig {
             idle: Duration::from_millis(50),
             acknowledged_poll: Duration::from_secs(2),
             seed: None,
+            crash_after_claim: false,
         }
     }
 }
@@ -220,6 +224,11 @@ impl Dispatcher {
     /// Calls the tool for one claimed operation and records the outcome.
     pub async fn dispatch(&self, claim: Claim) {
         let inner = &self.inner;
+        if inner.config.crash_after_claim {
+            // `dispatched` and the attempt row are committed; nothing was sent.
+            warn!(operation_id = %claim.operation.operation_id, "crash point: aborting after the claim");
+            std::process::abort();
+        }
         let op = &claim.operation;
         let attempt_id = claim.attempt_id.unwrap_or_default();
         let Some(tool) = inner.registry.tool(&op.tool) else {

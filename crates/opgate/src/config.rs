@@ -30,12 +30,27 @@ pub struct LimitsConfig {
     pub max_args_depth: Option<usize>,
 }
 
+/// `[worker]`: dispatcher and reconciler settings.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Lease per claim in milliseconds (default 60000; must exceed twice every tool timeout).
+    pub lease_ms: Option<u64>,
+    /// Operations claimed per round (default 16).
+    pub batch: Option<usize>,
+    /// Calls in flight overall (default 64).
+    pub concurrency: Option<usize>,
+    /// Calls in flight per tool (default 16).
+    pub per_tool: Option<usize>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
     database: Option<DatabaseConfig>,
     kafka: Option<KafkaConfig>,
     limits: Option<LimitsConfig>,
+    worker: Option<WorkerConfig>,
     // Validated by `Registry::from_toml`; listed so unknown top-level keys are refused.
     #[serde(default, rename = "tools")]
     _tools: Vec<toml::Value>,
@@ -52,6 +67,8 @@ pub struct Config {
     pub kafka: Option<KafkaConfig>,
     /// Decoding limits.
     pub limits: Limits,
+    /// `[worker]`.
+    pub worker: WorkerConfig,
     /// The tool registry.
     pub registry: Registry,
 }
@@ -78,6 +95,7 @@ impl Config {
             database: file.database,
             kafka: file.kafka,
             limits,
+            worker: file.worker.unwrap_or_default(),
             registry,
         })
     }

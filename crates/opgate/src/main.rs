@@ -50,9 +50,22 @@ enum Command {
         /// The config file.
         #[arg(long, short, env = "OPGATE_CONFIG")]
         config: PathBuf,
-        /// Comma-separated roles: ingest, relay (dispatch, reconcile and api are coming).
-        #[arg(long, value_delimiter = ',', default_value = "ingest,relay")]
+        /// Comma-separated roles: ingest, relay, dispatch, reconcile (api is coming).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "ingest,relay,dispatch,reconcile"
+        )]
         roles: Vec<String>,
+    },
+    /// The simulated providers (payments, emails, tickets) with fault injection.
+    Sim {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:9400")]
+        listen: std::net::SocketAddr,
+        /// Seed of the probabilistic faults.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Everything in one process on the embedded default: an in-process Kafka-protocol
     /// broker (librdkafka's mock cluster), a SQLite ledger, the ingest and relay roles.
@@ -172,6 +185,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Run { config, roles } => run_roles(&Config::load(&config)?, &roles).await?,
+        Command::Sim { listen, seed } => {
+            let sim = opgate_sim::Sim::new(opgate_sim::SimConfig {
+                seed,
+                ..Default::default()
+            });
+            let (addr, server) = opgate_sim::start(listen, sim).await?;
+            println!(
+                "simulated providers on http://{addr} (payments, emails, tickets; GET /effects, POST /faults)"
+            );
+            tokio::select! {
+                () = shutdown_signal() => {}
+                _ = server => bail!("the simulated providers stopped"),
+            }
+        }
         Command::Dev {
             ledger,
             fresh,
@@ -190,30 +217,81 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 /// finishes its round.
 async fn run_roles(config: &Config, roles: &[String]) -> anyhow::Result<()> {
     for role in roles {
-        if !matches!(role.as_str(), "ingest" | "relay") {
-            bail!("role `{role}` is not built yet (built: ingest, relay)");
+        if !matches!(role.as_str(), "ingest" | "relay" | "dispatch" | "reconcile") {
+            bail!("role `{role}` is not built yet (built: ingest, relay, dispatch, reconcile)");
         }
     }
-    let kafka = config.kafka()?;
+    let has = |r: &str| roles.iter().any(|x| x == r);
     let ledger = opgate_store::open(&config.database_url()?).await?;
     let registry = Arc::new(config.registry.clone());
     let cancel = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
     let owner = format!("{}-{}", hostname(), std::process::id());
-    if roles.iter().any(|r| r == "ingest") {
-        let worker =
-            opgate_kafka::IngestWorker::new(kafka, ledger.clone(), registry, config.limits)?;
+    if has("ingest") {
+        let worker = opgate_kafka::IngestWorker::new(
+            config.kafka()?,
+            ledger.clone(),
+            registry.clone(),
+            config.limits,
+        )?;
         tasks.spawn(worker.run(cancel.child_token()));
     }
-    if roles.iter().any(|r| r == "relay") {
+    if has("relay") {
         let relay = opgate_kafka::ResultsRelay::new(
-            kafka,
+            config.kafka()?,
             ledger.clone(),
-            owner,
+            owner.clone(),
             500,
             Duration::from_secs(30),
         )?;
         tasks.spawn(relay.run(cancel.child_token()));
+    }
+    if has("dispatch") || has("reconcile") {
+        let adapters =
+            opgate_worker::Adapters::from_registry(&registry, |n| std::env::var(n).ok())?;
+        let w = config.worker;
+        let lease = Duration::from_millis(w.lease_ms.unwrap_or(60_000));
+        if has("dispatch") {
+            let defaults = opgate_worker::DispatcherConfig::default();
+            let dispatcher = opgate_worker::Dispatcher::new(
+                ledger.clone(),
+                registry.clone(),
+                adapters.clone(),
+                opgate_worker::DispatcherConfig {
+                    owner: format!("{owner}/dispatch"),
+                    lease,
+                    batch: w.batch.unwrap_or(defaults.batch),
+                    concurrency: w.concurrency.unwrap_or(defaults.concurrency),
+                    per_tool: w.per_tool.unwrap_or(defaults.per_tool),
+                    // Test crash point (see crates/opgate/tests/crash.rs).
+                    crash_after_claim: std::env::var("OPGATE_CRASH_AT").as_deref()
+                        == Ok("after_claim"),
+                    ..defaults
+                },
+            )?;
+            let token = cancel.child_token();
+            tasks.spawn(async move {
+                dispatcher.run(token).await;
+                Ok(())
+            });
+        }
+        if has("reconcile") {
+            let reconciler = opgate_worker::Reconciler::new(
+                ledger.clone(),
+                registry.clone(),
+                adapters,
+                opgate_worker::ReconcilerConfig {
+                    owner: format!("{owner}/reconcile"),
+                    lease,
+                    ..Default::default()
+                },
+            );
+            let token = cancel.child_token();
+            tasks.spawn(async move {
+                reconciler.run(token).await;
+                Ok(())
+            });
+        }
     }
     info!(roles = %roles.join(","), "opgate running");
     tokio::select! {
