@@ -109,40 +109,6 @@ struct World {
     reconciler: Reconciler,
 }
 
-async fn ledger() -> SharedLedger {
-    #[cfg(feature = "integration")]
-    {
-        use sqlx::postgres::PgConnectOptions;
-        use std::str::FromStr;
-        let url = std::env::var("OPGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
-            panic!("set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)")
-        });
-        let schema = format!("t_{}", Uuid::now_v7().simple());
-        let admin = sqlx::PgPool::connect(&url).await.expect("connect");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&admin)
-            .await
-            .expect("schema");
-        let options = PgConnectOptions::from_str(&url)
-            .expect("url")
-            .options([("search_path", schema.as_str())]);
-        let ledger = opgate_store::PgLedger::connect_with(options)
-            .await
-            .expect("connect");
-        ledger.migrate().await.expect("migrate");
-        Arc::new(ledger)
-    }
-    #[cfg(not(feature = "integration"))]
-    {
-        let path = std::env::temp_dir().join(format!("opgate-worker-{}.db", Uuid::now_v7()));
-        let ledger = opgate_store::SqliteLedger::open(&format!("sqlite://{}", path.display()))
-            .await
-            .expect("sqlite");
-        ledger.migrate().await.expect("migrate");
-        Arc::new(ledger)
-    }
-}
-
 async fn world(sim_config: SimConfig) -> World {
     let sim = Sim::new(sim_config);
     let (addr, _server) = opgate_sim::start("127.0.0.1:0".parse().expect("addr"), sim.clone())
@@ -152,7 +118,8 @@ async fn world(sim_config: SimConfig) -> World {
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
     let adapters = Adapters::from_registry(&registry, |name| (name == "SIM").then(|| url.clone()))
         .expect("adapters");
-    let ledger = ledger().await;
+    // Keep the fixture's pools alive with the world (a SQLite file or a PostgreSQL schema).
+    let ledger = opgate_testkit::TestLedger::new().await.ledger;
     let dispatcher = Dispatcher::new(
         ledger.clone(),
         registry.clone(),

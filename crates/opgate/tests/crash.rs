@@ -69,7 +69,7 @@ struct Setup {
 async fn setup(sim_config: SimConfig) -> Setup {
     let dir = std::env::temp_dir().join(format!("opgate-crash-{}", Uuid::now_v7()));
     std::fs::create_dir_all(&dir).expect("dir");
-    let url = database_url(&dir).await;
+    let url = opgate_testkit::database_url(&dir).await;
     let config = dir.join("opgate.toml");
     std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n{TOOLS}")).expect("config");
     opgate_store::migrate(&url).await.expect("migrate");
@@ -85,26 +85,6 @@ async fn setup(sim_config: SimConfig) -> Setup {
         sim_url: format!("http://{addr}"),
         ledger,
         registry: Registry::from_toml(TOOLS).expect("registry"),
-    }
-}
-
-/// A SQLite file, or under `integration` a fresh PostgreSQL schema (the child process
-/// gets it through the URL's `options=-csearch_path=...`).
-async fn database_url(dir: &std::path::Path) -> String {
-    #[cfg(feature = "integration")]
-    {
-        let _ = dir;
-        let base = std::env::var("OPGATE_TEST_DATABASE_URL")
-            .unwrap_or_else(|_| panic!("set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)"));
-        let schema = format!("t_{}", Uuid::now_v7().simple());
-        let admin = sqlx::PgPool::connect(&base).await.expect("connect");
-        sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await.expect("schema");
-        let sep = if base.contains('?') { '&' } else { '?' };
-        format!("{base}{sep}options=-csearch_path%3D{schema}")
-    }
-    #[cfg(not(feature = "integration"))]
-    {
-        format!("sqlite://{}", dir.join("ledger.db").display())
     }
 }
 

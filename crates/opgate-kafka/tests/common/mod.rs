@@ -47,21 +47,12 @@ pub struct Env {
     pub config: KafkaConfig,
     pub ledger: SharedLedger,
     pub registry: Arc<Registry>,
-    pub sql: Sql,
-}
-
-/// Raw SQL access for counting rows.
-pub enum Sql {
-    Sqlite(sqlx::SqlitePool),
-    Postgres(sqlx::PgPool),
+    pub db: opgate_testkit::TestLedger,
 }
 
 impl Env {
     pub async fn count(&self, sql: &str) -> i64 {
-        match &self.sql {
-            Sql::Sqlite(p) => sqlx::query_scalar(sql).fetch_one(p).await.expect("count"),
-            Sql::Postgres(p) => sqlx::query_scalar(sql).fetch_one(p).await.expect("count"),
-        }
+        self.db.count(sql).await
     }
 
     pub fn topic(&self, base: &str) -> String {
@@ -98,7 +89,8 @@ pub async fn env(proposal_partitions: i32) -> Env {
         .with_test_writer()
         .try_init();
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
-    let (ledger, sql) = ledger().await;
+    let db = opgate_testkit::TestLedger::new().await;
+    let ledger = db.ledger.clone();
     let prefix = format!("t{}.", Uuid::now_v7().simple());
     let (broker, brokers) = broker(&prefix, proposal_partitions).await;
     let mut config = KafkaConfig::new(brokers);
@@ -110,7 +102,7 @@ pub async fn env(proposal_partitions: i32) -> Env {
         config,
         ledger,
         registry,
-        sql,
+        db,
     }
 }
 
@@ -163,42 +155,6 @@ async fn kafka_brokers() -> String {
         .await
         .expect("port");
     format!("127.0.0.1:{port}")
-}
-
-#[cfg(not(feature = "integration"))]
-async fn ledger() -> (SharedLedger, Sql) {
-    let path = std::env::temp_dir().join(format!("opgate-kafka-{}.db", Uuid::now_v7()));
-    let url = format!("sqlite://{}", path.display());
-    let ledger = opgate_store::SqliteLedger::open(&url)
-        .await
-        .expect("sqlite");
-    ledger.migrate().await.expect("migrate");
-    let pool = sqlx::SqlitePool::connect(&url).await.expect("raw pool");
-    (Arc::new(ledger), Sql::Sqlite(pool))
-}
-
-#[cfg(feature = "integration")]
-async fn ledger() -> (SharedLedger, Sql) {
-    use sqlx::postgres::PgConnectOptions;
-    use std::str::FromStr;
-    let url = std::env::var("OPGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
-        panic!("set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)")
-    });
-    let schema = format!("t_{}", Uuid::now_v7().simple());
-    let admin = sqlx::PgPool::connect(&url).await.expect("connect");
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&admin)
-        .await
-        .expect("schema");
-    let options = PgConnectOptions::from_str(&url)
-        .expect("url")
-        .options([("search_path", schema.as_str())]);
-    let ledger = opgate_store::PgLedger::connect_with(options.clone())
-        .await
-        .expect("connect");
-    ledger.migrate().await.expect("migrate");
-    let pool = sqlx::PgPool::connect_with(options).await.expect("pool");
-    (Arc::new(ledger), Sql::Postgres(pool))
 }
 
 /// A message to produce.
