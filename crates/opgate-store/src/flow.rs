@@ -5,6 +5,7 @@
 //! through [`opgate_core::transition`], appends a history event, moves the queue row and
 //! writes a result-outbox row, in that one transaction.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -135,6 +136,85 @@ pub(crate) trait Tx: Send {
     ) -> impl Future<Output = Result<()>> + Send;
     /// Appends a result-outbox row.
     fn insert_outbox(&mut self, row: &NewOutbox) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts inbox rows for a batch; per row, whether it was inserted (false for an
+    /// event id that exists, or repeats an earlier row of the batch). The default runs one
+    /// statement per row; a backend with costly round trips overrides it.
+    fn insert_inbox_batch(
+        &mut self,
+        rows: &[(&str, &Delivery)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+        async move {
+            let mut inserted = Vec::with_capacity(rows.len());
+            for (event_id, delivery) in rows {
+                inserted.push(self.insert_inbox(event_id, delivery, at).await?);
+            }
+            Ok(inserted)
+        }
+    }
+    /// Inserts operations unless their (namespace, key) exists; per row, whether it was
+    /// inserted.
+    fn insert_operations_batch(
+        &mut self,
+        ops: &[Operation],
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+        async move {
+            let mut inserted = Vec::with_capacity(ops.len());
+            for op in ops {
+                inserted.push(self.insert_operation(op).await?);
+            }
+            Ok(inserted)
+        }
+    }
+    /// Appends history entries.
+    fn insert_events_batch(
+        &mut self,
+        events: &[NewEvent<'_>],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for e in events {
+                self.insert_event(e).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts queue rows for new operations.
+    fn put_queue_batch(
+        &mut self,
+        rows: &[(&Operation, QueueState)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, state) in rows {
+                self.put_queue(op, *state, at, at).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Appends result-outbox rows, in order.
+    fn insert_outbox_batch(
+        &mut self,
+        rows: &[NewOutbox],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for row in rows {
+                self.insert_outbox(row).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Sets inbox decisions.
+    fn set_inbox_batch(
+        &mut self,
+        rows: &[(&str, &IngestDecision, Option<Uuid>)],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (event_id, decision, op) in rows {
+                self.set_inbox(event_id, decision, *op).await?;
+            }
+            Ok(())
+        }
+    }
     /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones.
     fn pick_claimable(
         &mut self,
@@ -159,6 +239,38 @@ fn add(at: OffsetDateTime, d: Duration) -> OffsetDateTime {
     at + time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
 }
 
+/// The result row for an operation's current state, bumping its sequence number.
+fn result_row(
+    op: &mut Operation,
+    event_id: &str,
+    dedupe: Dedupe,
+    at: OffsetDateTime,
+) -> Result<NewOutbox> {
+    op.result_seq += 1;
+    let message = ResultMessage::for_operation(op, event_id, dedupe, op.result_seq, at);
+    Ok(NewOutbox {
+        operation_id: Some(op.operation_id),
+        seq: op.result_seq,
+        status: message.status.clone(),
+        kafka_key: format!("{}:{}", op.entity.kind, op.entity.id),
+        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        at,
+    })
+}
+
+/// The result row for a refused proposal.
+fn rejection_row(rejected: &RejectedProposal, at: OffsetDateTime) -> Result<NewOutbox> {
+    let message = ResultMessage::for_rejection(rejected, at);
+    Ok(NewOutbox {
+        operation_id: None,
+        seq: 0,
+        status: message.status.clone(),
+        kafka_key: rejected.kafka_key(),
+        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        at,
+    })
+}
+
 /// Appends a result for the operation's current state (bumping its sequence number).
 async fn publish<T: Tx>(
     tx: &mut T,
@@ -167,34 +279,8 @@ async fn publish<T: Tx>(
     dedupe: Dedupe,
     at: OffsetDateTime,
 ) -> Result<()> {
-    op.result_seq += 1;
-    let message = ResultMessage::for_operation(op, event_id, dedupe, op.result_seq, at);
-    tx.insert_outbox(&NewOutbox {
-        operation_id: Some(op.operation_id),
-        seq: op.result_seq,
-        status: message.status.clone(),
-        kafka_key: format!("{}:{}", op.entity.kind, op.entity.id),
-        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
-        at,
-    })
-    .await
-}
-
-async fn publish_rejection<T: Tx>(
-    tx: &mut T,
-    rejected: &RejectedProposal,
-    at: OffsetDateTime,
-) -> Result<()> {
-    let message = ResultMessage::for_rejection(rejected, at);
-    tx.insert_outbox(&NewOutbox {
-        operation_id: None,
-        seq: 0,
-        status: message.status.clone(),
-        kafka_key: rejected.kafka_key(),
-        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
-        at,
-    })
-    .await
+    let row = result_row(op, event_id, dedupe, at)?;
+    tx.insert_outbox(&row).await
 }
 
 fn new_operation(env: &Envelope, at: OffsetDateTime) -> Operation {
@@ -235,28 +321,68 @@ fn new_operation(env: &Envelope, at: OffsetDateTime) -> Operation {
     }
 }
 
-/// Ingests a batch (see [`crate::Ledger::ingest`]).
+/// Ingests a batch (see [`crate::Ledger::ingest`]) with a fixed number of statements per
+/// batch on the hot path: inbox rows, new operations, history, queue, results and inbox
+/// decisions are each written in one statement. Duplicates (a minority) are resolved row
+/// by row against the operations they hit.
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
+    let deliveries: Vec<(&str, &Delivery)> = batch
+        .iter()
+        .map(|item| match item {
+            IngestItem::Accepted(env) => (env.event_id.as_str(), &env.delivery),
+            IngestItem::Rejected(rej) => (rej.event_id.as_str(), &rej.delivery),
+        })
+        .collect();
+    // The inbox row is claimed first: a concurrent transaction ingesting the same event
+    // waits here and then finds it, so an event is decided exactly once.
+    let fresh = tx.insert_inbox_batch(&deliveries, now).await?;
+
+    // Every fresh, accepted proposal is a candidate operation; the unique key decides.
+    let mut candidates = Vec::new();
+    let mut candidate_of = vec![None; batch.len()];
+    for (i, item) in batch.iter().enumerate() {
+        if let (true, IngestItem::Accepted(env)) = (fresh[i], item) {
+            let mut op = new_operation(env, now);
+            op.result_seq = 1;
+            candidate_of[i] = Some(candidates.len());
+            candidates.push(op);
+        }
+    }
+    let created = tx.insert_operations_batch(&candidates).await?;
+
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    let mut decisions: Vec<(usize, IngestDecision, Option<Uuid>)> = Vec::new();
+    // Existing operations hit by duplicates in this batch, by key, as they stand now.
+    let mut hit: HashMap<(String, String), Operation> = HashMap::new();
+    let mut decided: HashMap<&str, (IngestDecision, Option<Operation>)> = HashMap::new();
     let mut outcomes = Vec::with_capacity(batch.len());
-    for item in batch {
-        let event_id = item.event_id();
-        let delivery = match item {
-            IngestItem::Accepted(env) => &env.delivery,
-            IngestItem::Rejected(rej) => &rej.delivery,
-        };
-        if !tx.insert_inbox(event_id, delivery, now).await? {
-            let row = tx
-                .inbox(event_id)
-                .await?
-                .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
-            let operation = match row.operation_id {
-                Some(id) => tx.read_operation(id).await?,
-                None => None,
+    for (i, item) in batch.iter().enumerate() {
+        let event_id = deliveries[i].0;
+        if !fresh[i] {
+            // A redelivery: of an event decided earlier in this batch, or in an earlier one.
+            let (decision, operation) = match decided.get(event_id) {
+                Some((decision, op)) => (decision.clone(), op.clone()),
+                None => {
+                    let row = tx
+                        .inbox(event_id)
+                        .await?
+                        .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
+                    let operation = match row.operation_id {
+                        Some(id) => tx.read_operation(id).await?,
+                        None => None,
+                    };
+                    (
+                        IngestDecision::from_row(&row.decision, row.reason),
+                        operation,
+                    )
+                }
             };
             outcomes.push(IngestOutcome {
                 event_id: event_id.to_owned(),
-                decision: IngestDecision::from_row(&row.decision, row.reason),
+                decision,
                 inbox_hit: true,
                 operation,
             });
@@ -264,20 +390,40 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         }
         let (decision, operation) = match item {
             IngestItem::Rejected(rejected) => {
-                publish_rejection(tx, rejected, now).await?;
-                let decision = IngestDecision::Rejected {
-                    reason: rejected.rejection.reason.to_owned(),
-                };
-                (decision, None)
+                outbox.push(rejection_row(rejected, now)?);
+                let reason = rejected.rejection.reason.to_owned();
+                (IngestDecision::Rejected { reason }, None)
             }
-            IngestItem::Accepted(env) => ingest_envelope(tx, env, now).await?,
+            IngestItem::Accepted(env) => {
+                let c = candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
+                if created[c] {
+                    let mut op = candidates[c].clone();
+                    op.result_seq = 0;
+                    outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
+                    events.push(c);
+                    queue.push(c);
+                    (IngestDecision::Accepted, Some(op))
+                } else {
+                    let key = (env.key.namespace.clone(), env.key.key.clone());
+                    let existing =
+                        match hit.remove(&key) {
+                            Some(op) => op,
+                            None => tx.lock_operation_by_key(&key.0, &key.1).await?.ok_or_else(
+                                || Error::Corrupt(format!("operation for key {} vanished", key.1)),
+                            )?,
+                        };
+                    let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
+                    hit.insert(key, existing.clone());
+                    (decision, Some(existing))
+                }
+            }
         };
-        tx.set_inbox(
-            event_id,
-            &decision,
+        decisions.push((
+            i,
+            decision.clone(),
             operation.as_ref().map(|o| o.operation_id),
-        )
-        .await?;
+        ));
+        decided.insert(event_id, (decision.clone(), operation.clone()));
         outcomes.push(IngestOutcome {
             event_id: event_id.to_owned(),
             decision,
@@ -285,21 +431,13 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             operation,
         });
     }
-    Ok(outcomes)
-}
 
-async fn ingest_envelope<T: Tx>(
-    tx: &mut T,
-    env: &Envelope,
-    now: OffsetDateTime,
-) -> Result<(IngestDecision, Option<Operation>)> {
-    let mut op = new_operation(env, now);
-    op.result_seq = 1;
-    if tx.insert_operation(&op).await? {
-        tx.insert_event(&NewEvent {
-            operation_id: op.operation_id,
+    let created_events: Vec<NewEvent<'_>> = events
+        .iter()
+        .map(|&c| NewEvent {
+            operation_id: candidates[c].operation_id,
             from: None,
-            to: op.status,
+            to: candidates[c].status,
             reason: "ingested",
             attempt_id: None,
             epoch: 0,
@@ -307,17 +445,42 @@ async fn ingest_envelope<T: Tx>(
             at: now,
             detail: None,
         })
-        .await?;
-        tx.put_queue(&op, QueueState::of(op.status), now, now)
-            .await?;
-        op.result_seq = 0;
-        publish(tx, &mut op, &env.event_id, Dedupe::miss(), now).await?;
-        return Ok((IngestDecision::Accepted, Some(op)));
+        .collect();
+    tx.insert_events_batch(&created_events).await?;
+    let queue_rows: Vec<(&Operation, QueueState)> = queue
+        .iter()
+        .map(|&c| (&candidates[c], QueueState::of(candidates[c].status)))
+        .collect();
+    tx.put_queue_batch(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    for op in hit.values() {
+        tx.update_operation(op).await?;
     }
-    let mut existing = tx
-        .lock_operation_by_key(&env.key.namespace, &env.key.key)
-        .await?
-        .ok_or_else(|| Error::Corrupt(format!("operation for key {} vanished", env.key.key)))?;
+    // A dedupe outcome reports the operation as it stands after the whole batch.
+    for outcome in &mut outcomes {
+        if let Some(op) = &mut outcome.operation {
+            if let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone())) {
+                *op = latest.clone();
+            }
+        }
+    }
+    let inbox_rows: Vec<(&str, &IngestDecision, Option<Uuid>)> = decisions
+        .iter()
+        .map(|(i, decision, op)| (deliveries[*i].0, decision, *op))
+        .collect();
+    tx.set_inbox_batch(&inbox_rows).await?;
+    Ok(outcomes)
+}
+
+/// A proposal whose key names an existing operation: a dedupe hit (a new result with the
+/// next sequence number), or a key conflict when the tool differs or, for the
+/// workflow_step strategy, the arguments differ.
+fn duplicate(
+    env: &Envelope,
+    mut existing: Operation,
+    now: OffsetDateTime,
+    outbox: &mut Vec<NewOutbox>,
+) -> Result<(IngestDecision, Operation)> {
     let conflict = if existing.tool != env.tool {
         Some(format!(
             "key `{}` already names operation {} of tool `{}`; give the tools distinct key templates",
@@ -334,10 +497,6 @@ async fn ingest_envelope<T: Tx>(
         None
     };
     if let Some(message) = conflict {
-        let rejection = Rejection {
-            reason: "key_conflict",
-            message,
-        };
         let rejected = RejectedProposal {
             event_id: env.event_id.clone(),
             delivery: env.delivery.clone(),
@@ -346,20 +505,27 @@ async fn ingest_envelope<T: Tx>(
             step: env.step,
             tool: Some(env.tool.clone()),
             entity: Some(env.entity.clone()),
-            rejection,
+            rejection: Rejection {
+                reason: "key_conflict",
+                message,
+            },
         };
-        publish_rejection(tx, &rejected, now).await?;
+        outbox.push(rejection_row(&rejected, now)?);
         let decision = IngestDecision::Rejected {
             reason: "key_conflict".into(),
         };
-        return Ok((decision, Some(existing)));
+        return Ok((decision, existing));
     }
-    publish(tx, &mut existing, &env.event_id, Dedupe::hit("key"), now).await?;
-    tx.update_operation(&existing).await?;
+    outbox.push(result_row(
+        &mut existing,
+        &env.event_id,
+        Dedupe::hit("key"),
+        now,
+    )?);
     let decision = IngestDecision::Deduplicated {
         reason: "key".into(),
     };
-    Ok((decision, Some(existing)))
+    Ok((decision, existing))
 }
 
 /// Claims work for a dispatcher (see [`crate::Ledger::claim`]).

@@ -8,7 +8,7 @@ use opgate_core::{
 use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, QueryBuilder, Row, Transaction};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -143,6 +143,9 @@ fn source_columns(delivery: &Delivery) -> (Option<&str>, Option<i32>, Option<i64
         Source::Http => (None, None, None),
     }
 }
+
+/// Rows per multi-row statement: PostgreSQL allows 65535 parameters, an operation has 34.
+const CHUNK: usize = 1000;
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -432,6 +435,172 @@ impl Tx for PgTx {
         .bind(row.at)
         .execute(&mut *self.0)
         .await?;
+        Ok(())
+    }
+
+    async fn insert_inbox_batch(
+        &mut self,
+        rows: &[(&str, &Delivery)],
+        at: OffsetDateTime,
+    ) -> Result<Vec<bool>> {
+        let mut inserted = std::collections::HashSet::new();
+        for chunk in rows.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at) "#,
+            );
+            qb.push_values(chunk, |mut b, (event_id, delivery)| {
+                let (topic, partition, offset) = source_columns(delivery);
+                b.push_bind(*event_id)
+                    .push_bind(topic)
+                    .push_bind(partition)
+                    .push_bind(offset)
+                    .push_bind("accepted")
+                    .push_bind(at);
+            });
+            qb.push(" ON CONFLICT (source_id) DO NOTHING RETURNING source_id");
+            let ids: Vec<String> = qb.build_query_scalar().fetch_all(&mut *self.0).await?;
+            inserted.extend(ids);
+        }
+        // The first row of a repeated event id is the one that inserted it.
+        Ok(rows.iter().map(|(id, _)| inserted.remove(*id)).collect())
+    }
+
+    async fn insert_operations_batch(&mut self, ops: &[Operation]) -> Result<Vec<bool>> {
+        let mut inserted = std::collections::HashSet::new();
+        for chunk in ops.chunks(CHUNK) {
+            let mut qb =
+                QueryBuilder::<Postgres>::new(format!("INSERT INTO operations ({OP_COLUMNS}) "));
+            qb.push_values(chunk, |mut b, op| {
+                b.push_bind(op.operation_id)
+                    .push_bind(&op.namespace)
+                    .push_bind(&op.idempotency_key)
+                    .push_bind(Json(&op.key_components))
+                    .push_bind(&op.args_fingerprint)
+                    .push_bind(&op.event_id)
+                    .push_bind(&op.agent_id)
+                    .push_bind(&op.workflow_id)
+                    .push_bind(&op.run_id)
+                    .push_bind(op.step.map(|s| s as i64))
+                    .push_bind(&op.tool)
+                    .push_bind(&op.intent)
+                    .push_bind(&op.entity.kind)
+                    .push_bind(&op.entity.id)
+                    .push_bind(&op.entity_key)
+                    .push_bind(Json(&op.canonical_args))
+                    .push_bind(op.side_effect_class.as_str())
+                    .push_bind(op.status.as_str())
+                    .push_bind(op.attempt_count as i32)
+                    .push_bind(op.first_attempt_at)
+                    .push_bind(op.next_attempt_at)
+                    .push_bind(op.unknown_since)
+                    .push_bind(&op.lease_owner)
+                    .push_bind(op.lease_expires_at)
+                    .push_bind(op.lease_epoch)
+                    .push_bind(&op.external_request_id)
+                    .push_bind(&op.external_object_id)
+                    .push_bind(op.result.as_ref().map(Json))
+                    .push_bind(op.error.as_ref().map(Json))
+                    .push_bind(op.compensates)
+                    .push_bind(&op.traceparent)
+                    .push_bind(op.result_seq)
+                    .push_bind(op.created_at)
+                    .push_bind(op.updated_at);
+            });
+            qb.push(" ON CONFLICT (namespace, idempotency_key) DO NOTHING RETURNING operation_id");
+            let ids: Vec<Uuid> = qb.build_query_scalar().fetch_all(&mut *self.0).await?;
+            inserted.extend(ids);
+        }
+        Ok(ops
+            .iter()
+            .map(|op| inserted.contains(&op.operation_id))
+            .collect())
+    }
+
+    async fn insert_events_batch(&mut self, events: &[NewEvent<'_>]) -> Result<()> {
+        for chunk in events.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "INSERT INTO operation_events (operation_id, from_status, to_status, reason, \
+                 attempt_id, epoch, actor, at, detail) ",
+            );
+            qb.push_values(chunk, |mut b, e| {
+                b.push_bind(e.operation_id)
+                    .push_bind(e.from.map(Status::as_str))
+                    .push_bind(e.to.as_str())
+                    .push_bind(e.reason)
+                    .push_bind(e.attempt_id)
+                    .push_bind(e.epoch)
+                    .push_bind(e.actor)
+                    .push_bind(e.at)
+                    .push_bind(e.detail.as_ref().map(Json));
+            });
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn put_queue_batch(
+        &mut self,
+        rows: &[(&Operation, QueueState)],
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        for chunk in rows.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, \
+                 ready_at, finished_at) ",
+            );
+            qb.push_values(chunk, |mut b, (op, state)| {
+                b.push_bind(op.operation_id)
+                    .push_bind(&op.entity_key)
+                    .push_bind(!op.side_effect_class.is_write())
+                    .push_bind(op.compensates)
+                    .push_bind(state.as_str())
+                    .push_bind(at)
+                    .push_bind((*state == QueueState::Done).then_some(at));
+            });
+            qb.push(
+                " ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
+                 ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
+            );
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {
+        for chunk in rows.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at) ",
+            );
+            qb.push_values(chunk, |mut b, row| {
+                b.push_bind(row.operation_id)
+                    .push_bind(row.seq)
+                    .push_bind(&row.status)
+                    .push_bind(&row.kafka_key)
+                    .push_bind(Json(&row.payload))
+                    .push_bind(row.at);
+            });
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn set_inbox_batch(
+        &mut self,
+        rows: &[(&str, &IngestDecision, Option<Uuid>)],
+    ) -> Result<()> {
+        for chunk in rows.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "UPDATE inbox SET decision = v.decision, reason = v.reason, operation_id = v.operation_id FROM (",
+            );
+            qb.push_values(chunk, |mut b, (event_id, decision, op)| {
+                b.push_bind(*event_id)
+                    .push_bind(decision.as_str())
+                    .push_bind(decision.reason())
+                    .push_bind(*op);
+            });
+            qb.push(") AS v(source_id, decision, reason, operation_id) WHERE inbox.source_id = v.source_id");
+            qb.build().execute(&mut *self.0).await?;
+        }
         Ok(())
     }
 

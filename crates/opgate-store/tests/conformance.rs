@@ -113,6 +113,19 @@ async fn duplicate_event_id_is_an_inbox_hit(h: Harness) {
         1,
         "a redelivery publishes nothing new"
     );
+    // The same event twice inside one fresh batch: decided once, the copy is a hit.
+    let twice = l
+        .ingest(&[pay("e2", "o2", "1"), pay("e2", "o2", "1")])
+        .await
+        .expect("ingest");
+    assert_eq!((twice[0].inbox_hit, twice[1].inbox_hit), (false, true));
+    assert_eq!(twice[1].decision, IngestDecision::Accepted);
+    assert_eq!(
+        twice[1].operation.as_ref().map(|o| o.operation_id),
+        twice[0].operation.as_ref().map(|o| o.operation_id),
+        "the copy reports the operation its original created"
+    );
+    assert_eq!(h.count("SELECT COUNT(*) FROM result_outbox").await, 2);
 }
 
 async fn duplicate_key_from_another_event_is_a_dedupe_hit(h: Harness) {
