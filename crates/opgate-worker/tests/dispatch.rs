@@ -434,3 +434,50 @@ async fn one_entity_is_served_one_at_a_time_in_ingest_order_by_two_dispatchers()
         assert_eq!((op.status, op.attempt_count), (Status::CompletedSuccess, 1));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_records_every_call_in_flight() {
+    // Each call takes 200 ms at the provider (the timeout is 300 ms); cancel while in flight.
+    let w = world(SimConfig {
+        work: Duration::from_millis(200),
+        ..sim_config()
+    })
+    .await;
+    let mut ids = Vec::new();
+    for n in 1..=5 {
+        ids.push(w.propose("charge", &format!("acct-{n}"), n).await);
+    }
+    let cancel = CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    let started = Instant::now();
+    while w
+        .ledger
+        .list(&opgate_store::ListFilter {
+            status: Some(Status::Dispatched),
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .operations
+        .len()
+        < 5
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "calls never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cancel.cancel();
+    running.await.expect("dispatcher stopped");
+    for id in ids {
+        let op = w.ledger.operation(id).await.expect("read").expect("exists");
+        assert_eq!(
+            op.status,
+            Status::CompletedSuccess,
+            "shutdown waited for the call and recorded it"
+        );
+        assert!(op.lease_owner.is_none());
+    }
+    assert_eq!(w.sim.effects().total, 5);
+}

@@ -1,0 +1,119 @@
+//! The HTTP adapter's transport-level classification against real sockets.
+
+#![allow(missing_docs)]
+
+use std::time::Duration;
+
+use opgate_core::outcome::AdapterOutcome;
+use opgate_core::{Entity, Operation, Registry, SideEffectClass, Status};
+use opgate_tools::{DispatchRequest, HttpAdapter, ToolAdapter};
+use serde_json::json;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+fn operation() -> Operation {
+    let now = OffsetDateTime::now_utc();
+    Operation {
+        operation_id: Uuid::now_v7(),
+        namespace: "default".into(),
+        idempotency_key: "k:v1".into(),
+        key_components: json!({}),
+        args_fingerprint: String::new(),
+        event_id: "e".into(),
+        agent_id: None,
+        workflow_id: None,
+        run_id: None,
+        step: None,
+        tool: "t".into(),
+        intent: None,
+        entity: Entity {
+            kind: "order".into(),
+            id: "o1".into(),
+        },
+        entity_key: "default:order:o1".into(),
+        canonical_args: json!({"amount": 1}),
+        side_effect_class: SideEffectClass::Irreversible,
+        status: Status::Dispatched,
+        attempt_count: 1,
+        first_attempt_at: Some(now),
+        unknown_since: None,
+        next_attempt_at: None,
+        lease_owner: None,
+        lease_expires_at: None,
+        lease_epoch: 1,
+        external_request_id: None,
+        external_object_id: None,
+        result: None,
+        error: None,
+        compensates: None,
+        traceparent: None,
+        result_seq: 1,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+fn adapter(url: &str, timeout_ms: u64) -> HttpAdapter {
+    let toml = format!(
+        "[[tools]]\nname = \"t\"\nside_effect_class = \"irreversible\"\n[tools.adapter]\nkind = \"http\"\nurl = \"{url}\"\ntimeout_ms = {timeout_ms}\nidempotency_header = \"Idempotency-Key\""
+    );
+    let registry = Registry::from_toml(&toml).expect("registry");
+    HttpAdapter::new(registry.tool("t").expect("tool"), |_| None).expect("adapter")
+}
+
+async fn call(adapter: &HttpAdapter) -> AdapterOutcome {
+    let op = operation();
+    adapter
+        .dispatch(&DispatchRequest {
+            operation: &op,
+            attempt_id: Uuid::now_v7(),
+            provider_key: "default/k:v1",
+        })
+        .await
+        .outcome
+}
+
+#[tokio::test]
+async fn connection_refused_is_not_sent() {
+    // Bind then drop a listener: the port is closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let outcome = call(&adapter(&format!("http://127.0.0.1:{port}/x"), 500)).await;
+    assert_eq!(outcome, AdapterOutcome::NotSent);
+}
+
+#[tokio::test]
+async fn a_request_that_was_accepted_but_never_answered_is_sent_no_answer() {
+    // Accept the connection, read the request, never answer.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut buf = vec![0u8; 4096];
+        let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let outcome = call(&adapter(&format!("http://{addr}/x"), 300)).await;
+    assert_eq!(outcome, AdapterOutcome::SentNoAnswer);
+}
+
+#[tokio::test]
+async fn a_connection_reset_after_the_request_is_sent_no_answer() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut buf = vec![0u8; 4096];
+        let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+        drop(socket);
+    });
+    let outcome = call(&adapter(&format!("http://{addr}/x"), 2000)).await;
+    assert_eq!(outcome, AdapterOutcome::SentNoAnswer);
+}
