@@ -83,17 +83,37 @@ async fn main() {
     let producer: FutureProducer = config
         .client_config()
         .expect("config")
+        .set("linger.ms", "20")
         .create()
         .expect("producer");
+    // Produce in a burst, so the producer sends multi-record batches (as any busy
+    // producer does); `sequential` sends one record per request instead.
+    let sequential = std::env::args().any(|a| a == "sequential");
+    let mut pending = Vec::new();
     for i in 0..n {
         let key = format!("k{i}");
-        producer
-            .send(
-                FutureRecord::to(&topic).key(&key).payload("v"),
-                Duration::from_secs(10),
-            )
-            .await
-            .expect("produce");
+        let record = FutureRecord::to(&topic).key(&key).payload("v");
+        if sequential {
+            producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .expect("produce");
+        } else {
+            pending.push(
+                producer
+                    .send_result(record)
+                    .map_err(|(e, _)| e)
+                    .expect("enqueue"),
+            );
+        }
+    }
+    for p in pending {
+        p.await.expect("delivered").expect("acknowledged");
+    }
+    let probe = consumer(&brokers, "watermarks");
+    for p in 0..4 {
+        let w = probe.fetch_watermarks(&topic, p, Duration::from_secs(5));
+        println!("partition {p} watermarks (low, high): {w:?}");
     }
     let group = format!("g{}", std::process::id());
     let first = consumer(&brokers, &group);
