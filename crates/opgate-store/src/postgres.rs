@@ -166,19 +166,8 @@ impl Tx for PgTx {
         delivery: &Delivery,
         at: OffsetDateTime,
     ) -> Result<bool> {
-        let (topic, partition, offset) = source_columns(delivery);
-        let done = sqlx::query(
-            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at)
-               VALUES ($1, $2, $3, $4, 'accepted', $5) ON CONFLICT (source_id) DO NOTHING"#,
-        )
-        .bind(event_id)
-        .bind(topic)
-        .bind(partition)
-        .bind(offset)
-        .bind(at)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let inserted = self.insert_inbox_batch(&[(event_id, delivery)], at).await?;
+        Ok(inserted.first().copied().unwrap_or(false))
     }
 
     async fn inbox(&mut self, event_id: &str) -> Result<Option<InboxRow>> {
@@ -200,62 +189,15 @@ impl Tx for PgTx {
         decision: &IngestDecision,
         operation_id: Option<Uuid>,
     ) -> Result<()> {
-        sqlx::query(
-            "UPDATE inbox SET decision = $2, reason = $3, operation_id = $4 WHERE source_id = $1",
-        )
-        .bind(event_id)
-        .bind(decision.as_str())
-        .bind(decision.reason())
-        .bind(operation_id)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.set_inbox_batch(&[(event_id, decision, operation_id)])
+            .await
     }
 
     async fn insert_operation(&mut self, op: &Operation) -> Result<bool> {
-        let done = sqlx::query(&format!(
-            "INSERT INTO operations ({OP_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
-             $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, \
-             $28, $29, $30, $31, $32, $33, $34) \
-             ON CONFLICT (namespace, idempotency_key) DO NOTHING"
-        ))
-        .bind(op.operation_id)
-        .bind(&op.namespace)
-        .bind(&op.idempotency_key)
-        .bind(Json(&op.key_components))
-        .bind(&op.args_fingerprint)
-        .bind(&op.event_id)
-        .bind(&op.agent_id)
-        .bind(&op.workflow_id)
-        .bind(&op.run_id)
-        .bind(op.step.map(|s| s as i64))
-        .bind(&op.tool)
-        .bind(&op.intent)
-        .bind(&op.entity.kind)
-        .bind(&op.entity.id)
-        .bind(&op.entity_key)
-        .bind(Json(&op.canonical_args))
-        .bind(op.side_effect_class.as_str())
-        .bind(op.status.as_str())
-        .bind(op.attempt_count as i32)
-        .bind(op.first_attempt_at)
-        .bind(op.next_attempt_at)
-        .bind(op.unknown_since)
-        .bind(&op.lease_owner)
-        .bind(op.lease_expires_at)
-        .bind(op.lease_epoch)
-        .bind(&op.external_request_id)
-        .bind(&op.external_object_id)
-        .bind(op.result.as_ref().map(Json))
-        .bind(op.error.as_ref().map(Json))
-        .bind(op.compensates)
-        .bind(&op.traceparent)
-        .bind(op.result_seq)
-        .bind(op.created_at)
-        .bind(op.updated_at)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let inserted = self
+            .insert_operations_batch(std::slice::from_ref(op))
+            .await?;
+        Ok(inserted.first().copied().unwrap_or(false))
     }
 
     async fn read_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
@@ -339,22 +281,7 @@ impl Tx for PgTx {
     }
 
     async fn insert_event(&mut self, e: &NewEvent<'_>) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO operation_events (operation_id, from_status, to_status, reason, attempt_id, \
-             epoch, actor, at, detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(e.operation_id)
-        .bind(e.from.map(Status::as_str))
-        .bind(e.to.as_str())
-        .bind(e.reason)
-        .bind(e.attempt_id)
-        .bind(e.epoch)
-        .bind(e.actor)
-        .bind(e.at)
-        .bind(e.detail.as_ref().map(Json))
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.insert_events_batch(std::slice::from_ref(e)).await
     }
 
     async fn insert_attempt(&mut self, a: &NewAttempt<'_>) -> Result<()> {
@@ -423,19 +350,7 @@ impl Tx for PgTx {
     }
 
     async fn insert_outbox(&mut self, row: &NewOutbox) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(row.operation_id)
-        .bind(row.seq)
-        .bind(&row.status)
-        .bind(&row.kafka_key)
-        .bind(Json(&row.payload))
-        .bind(row.at)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.insert_outbox_batch(std::slice::from_ref(row)).await
     }
 
     async fn insert_inbox_batch(
