@@ -1,0 +1,422 @@
+//! The admin API over real HTTP against a real ledger (SQLite, or PostgreSQL with the
+//! testkit's `postgres` feature).
+
+#![allow(missing_docs)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use opgate_api::{ApiState, Role, Token};
+use opgate_core::{Event, Limits, Registry};
+use opgate_store::{ClaimRequest, Recording, SharedLedger};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const TOOLS: &str = r#"
+[[tools]]
+name = "capture_payment"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+
+[[tools]]
+name = "refund"
+side_effect_class = "irreversible"
+entity = "order"
+approval = "required"
+"#;
+
+struct Api {
+    url: String,
+    http: reqwest::Client,
+    ledger: SharedLedger,
+}
+
+async fn api() -> Api {
+    let db = opgate_testkit::TestLedger::new().await;
+    let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
+    let tokens = vec![
+        Token {
+            name: "vera".into(),
+            secret: "viewer-secret".into(),
+            role: Role::Viewer,
+        },
+        Token {
+            name: "otto".into(),
+            secret: "operator-secret".into(),
+            role: Role::Operator,
+        },
+    ];
+    let state = ApiState::new(db.ledger.clone(), registry, Limits::default(), tokens);
+    let (addr, _server) = opgate_api::serve("127.0.0.1:0".parse().expect("addr"), state)
+        .await
+        .expect("serve");
+    Api {
+        url: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        ledger: db.ledger.clone(),
+    }
+}
+
+impl Api {
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut req = self.http.request(
+            method.parse().expect("method"),
+            format!("{}{path}", self.url),
+        );
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let res = req.send().await.expect("request");
+        let status = res.status();
+        let text = res.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn propose(&self, event_id: &str, tool: &str, amount: Value) -> (StatusCode, Value) {
+        let body = json!({"event_id": event_id, "tool": tool, "entity": {"type": "order", "id": "o1"},
+            "args": {"amount": amount, "currency": "usd"}});
+        self.call("POST", "/v1/proposals", Some("operator-secret"), Some(body))
+            .await
+    }
+}
+
+const OPERATOR: Option<&str> = Some("operator-secret");
+const VIEWER: Option<&str> = Some("viewer-secret");
+
+#[tokio::test]
+async fn tokens_and_roles_are_enforced() {
+    let a = api().await;
+    let (s, body) = a.call("GET", "/v1/operations", None, None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(body["error"]["code"], "unauthorized");
+    assert_eq!(
+        a.call("GET", "/v1/operations", Some("guess"), None).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        a.call("GET", "/v1/operations", VIEWER, None).await.0,
+        StatusCode::OK
+    );
+    let (s, body) = a
+        .call("POST", "/v1/proposals", VIEWER, Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("viewer")
+    );
+    assert_eq!(
+        a.call("GET", "/healthz", None, None).await.0,
+        StatusCode::OK
+    );
+    let (s, body) = a.call("GET", "/readyz", None, None).await;
+    assert_eq!((s, body["ledger"].clone()), (StatusCode::OK, json!("ok")));
+}
+
+#[tokio::test]
+async fn bad_proposals_are_400_with_the_field_at_fault() {
+    let a = api().await;
+    let raw = a
+        .http
+        .post(format!("{}/v1/proposals", a.url))
+        .bearer_auth("operator-secret")
+        .body("{not json")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(raw.status(), StatusCode::BAD_REQUEST);
+    let body: Value = raw.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "not_json");
+    let (s, body) = a
+        .call(
+            "POST",
+            "/v1/proposals",
+            OPERATOR,
+            Some(json!({"event_id": "e", "entity": {"type": "order", "id": "o"}, "args": {}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("`tool`"),
+        "{body}"
+    );
+    let (s, body) = a.propose("e-bad", "capture_payment", json!("4.999")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["reason"], "invalid_args");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("amount"),
+        "{body}"
+    );
+    let (s, body) = a
+        .call("GET", "/v1/operations?status=done", VIEWER, None)
+        .await;
+    assert_eq!(
+        (s, body["error"]["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("invalid_status"))
+    );
+    assert_eq!(
+        a.call("GET", "/v1/operations/not-a-uuid", VIEWER, None)
+            .await
+            .0,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+#[tokio::test]
+async fn proposals_over_http_dedupe_like_kafka_and_can_be_inspected() {
+    let a = api().await;
+    let (s, first) = a.propose("e1", "capture_payment", json!("49.00")).await;
+    assert_eq!(s, StatusCode::CREATED, "{first}");
+    assert_eq!(first["decision"], "accepted");
+    let id = first["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let (s, again) = a.propose("e2", "capture_payment", json!(49)).await;
+    assert_eq!(
+        (s, again["decision"].clone(), again["reason"].clone()),
+        (StatusCode::OK, json!("deduplicated"), json!("key"))
+    );
+    assert_eq!(again["operation"]["operation_id"], json!(id));
+    let (s, redelivered) = a.propose("e1", "capture_payment", json!("49.00")).await;
+    assert_eq!(
+        (s, redelivered["inbox_hit"].clone()),
+        (StatusCode::OK, json!(true))
+    );
+
+    let (s, op) = a
+        .call("GET", &format!("/v1/operations/{id}"), VIEWER, None)
+        .await;
+    assert_eq!(
+        (s, op["status"].clone()),
+        (StatusCode::OK, json!("pending_dispatch"))
+    );
+    assert_eq!(op["idempotency_key"], "payment:o1:capture:4900:USD:v1");
+    let (_, list) = a
+        .call(
+            "GET",
+            "/v1/operations?tool=capture_payment&entity=order:o1",
+            VIEWER,
+            None,
+        )
+        .await;
+    assert_eq!(list["operations"].as_array().map(Vec::len), Some(1));
+    let (_, events) = a
+        .call("GET", &format!("/v1/operations/{id}/events"), VIEWER, None)
+        .await;
+    assert_eq!(events["events"][0]["to"], "pending_dispatch");
+    let missing = uuid::Uuid::now_v7();
+    let (s, body) = a
+        .call("GET", &format!("/v1/operations/{missing}"), VIEWER, None)
+        .await;
+    assert_eq!(
+        (s, body["error"]["code"].clone()),
+        (StatusCode::NOT_FOUND, json!("not_found"))
+    );
+}
+
+#[tokio::test]
+async fn approve_and_resolve_change_the_ledger_and_publish_results() {
+    let a = api().await;
+    let (_, refund) = a.propose("r1", "refund", json!(5)).await;
+    let rid = refund["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    assert_eq!(refund["operation"]["status"], "awaiting_approval");
+    assert_eq!(
+        a.call(
+            "POST",
+            &format!("/v1/operations/{rid}/approve"),
+            VIEWER,
+            None
+        )
+        .await
+        .0,
+        StatusCode::FORBIDDEN
+    );
+    let (s, approved) = a
+        .call(
+            "POST",
+            &format!("/v1/operations/{rid}/approve"),
+            OPERATOR,
+            Some(json!({"reason": "customer verified"})),
+        )
+        .await;
+    assert_eq!(
+        (s, approved["status"].clone()),
+        (StatusCode::OK, json!("pending_dispatch"))
+    );
+    let (s, body) = a
+        .call(
+            "POST",
+            &format!("/v1/operations/{rid}/approve"),
+            OPERATOR,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (s, body["error"]["code"].clone()),
+        (StatusCode::CONFLICT, json!("illegal_transition"))
+    );
+
+    // Put the refund into unknown_outcome as a dispatcher would, then resolve it.
+    let claim = a
+        .ledger
+        .claim(&ClaimRequest {
+            owner: "w".into(),
+            lease: Duration::from_secs(60),
+            limit: 1,
+        })
+        .await
+        .expect("claim")
+        .remove(0);
+    a.ledger
+        .record(&[Recording::new(
+            claim.operation.operation_id,
+            claim.epoch(),
+            Event::OutcomeUnknown,
+            "timeout_after_send",
+        )])
+        .await
+        .expect("record");
+    let (s, body) = a
+        .call(
+            "POST",
+            &format!("/v1/operations/{rid}/resolve"),
+            OPERATOR,
+            Some(json!({"resolution": "maybe"})),
+        )
+        .await;
+    assert_eq!(
+        (s, body["error"]["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("invalid_body"))
+    );
+    let (s, resolved) = a.call("POST", &format!("/v1/operations/{rid}/resolve"), OPERATOR, Some(json!({"resolution": "succeeded", "result": {"refund_id": "re_1"}, "reason": "seen at the provider"}))).await;
+    assert_eq!(
+        (s, resolved["status"].clone(), resolved["result"].clone()),
+        (
+            StatusCode::OK,
+            json!("completed_success"),
+            json!({"refund_id": "re_1"})
+        )
+    );
+    let (_, events) = a
+        .call("GET", &format!("/v1/operations/{rid}/events"), VIEWER, None)
+        .await;
+    let last = events["events"]
+        .as_array()
+        .and_then(|e| e.last())
+        .cloned()
+        .expect("event");
+    assert_eq!(
+        (last["actor"].clone(), last["reason"].clone()),
+        (json!("otto"), json!("seen at the provider"))
+    );
+    let results = a
+        .ledger
+        .claim_results(&ClaimRequest {
+            owner: "relay".into(),
+            lease: Duration::from_secs(60),
+            limit: 100,
+        })
+        .await
+        .expect("results");
+    let statuses: Vec<&str> = results
+        .iter()
+        .filter(|r| r.operation_id.map(|u| u.to_string()) == Some(rid.clone()))
+        .map(|r| r.status.as_str())
+        .collect();
+    assert!(
+        statuses.ends_with(&[
+            "pending_dispatch",
+            "dispatched",
+            "unknown_outcome",
+            "completed_success"
+        ]),
+        "{statuses:?}"
+    );
+}
+
+#[tokio::test]
+async fn get_with_wait_long_polls_until_settled_or_timeout() {
+    let a = api().await;
+    let (_, p) = a.propose("w1", "capture_payment", json!(1)).await;
+    let id = p["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let started = Instant::now();
+    let (s, op) = a
+        .call("GET", &format!("/v1/operations/{id}?wait=1s"), VIEWER, None)
+        .await;
+    assert_eq!(
+        (s, op["status"].clone()),
+        (StatusCode::OK, json!("pending_dispatch"))
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "waited for the timeout"
+    );
+    let ledger = a.ledger.clone();
+    let settle = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let c = ledger
+            .claim(&ClaimRequest {
+                owner: "w".into(),
+                lease: Duration::from_secs(60),
+                limit: 1,
+            })
+            .await
+            .expect("claim")
+            .remove(0);
+        ledger
+            .record(&[Recording::new(
+                c.operation.operation_id,
+                c.epoch(),
+                Event::Succeed,
+                "committed",
+            )])
+            .await
+            .expect("record");
+    });
+    let started = Instant::now();
+    let (_, op) = a
+        .call(
+            "GET",
+            &format!("/v1/operations/{id}?wait=10s"),
+            VIEWER,
+            None,
+        )
+        .await;
+    settle.await.expect("settle");
+    assert_eq!(op["status"], "completed_success");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "returned as soon as it settled"
+    );
+}
