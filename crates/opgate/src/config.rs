@@ -44,9 +44,71 @@ pub struct WorkerConfig {
     pub per_tool: Option<usize>,
 }
 
+/// One `[[api.tokens]]` entry.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    /// Who holds it (recorded as the actor of commands).
+    pub name: String,
+    /// `viewer` or `operator`.
+    pub role: opgate_api::Role,
+    /// The secret; use `${NAME}` so it stays out of the file.
+    pub secret: String,
+}
+
+impl std::fmt::Debug for TokenConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenConfig")
+            .field("name", &self.name)
+            .field("role", &self.role)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+/// `[api]`: the admin HTTP API.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Address to listen on (default 127.0.0.1:8080).
+    #[serde(default = "default_listen")]
+    pub listen: std::net::SocketAddr,
+    /// Bearer tokens.
+    #[serde(default)]
+    pub tokens: Vec<TokenConfig>,
+}
+
+fn default_listen() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+
+impl ApiConfig {
+    /// The tokens with `${ENV}` expanded; an empty secret is refused.
+    pub fn tokens(&self) -> anyhow::Result<Vec<opgate_api::Token>> {
+        self.tokens
+            .iter()
+            .map(|t| {
+                let secret = opgate_core::envsubst::expand(&t.secret, |n| std::env::var(n).ok())
+                    .with_context(|| format!("api.tokens `{}`", t.name))?;
+                anyhow::ensure!(
+                    !secret.trim().is_empty(),
+                    "api.tokens `{}`: the secret is empty",
+                    t.name
+                );
+                Ok(opgate_api::Token {
+                    name: t.name.clone(),
+                    secret,
+                    role: t.role,
+                })
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
+    api: Option<ApiConfig>,
     database: Option<DatabaseConfig>,
     kafka: Option<KafkaConfig>,
     limits: Option<LimitsConfig>,
@@ -69,6 +131,8 @@ pub struct Config {
     pub limits: Limits,
     /// `[worker]`.
     pub worker: WorkerConfig,
+    /// `[api]`.
+    pub api: Option<ApiConfig>,
     /// The tool registry.
     pub registry: Registry,
 }
@@ -96,6 +160,7 @@ impl Config {
             kafka: file.kafka,
             limits,
             worker: file.worker.unwrap_or_default(),
+            api: file.api,
             registry,
         })
     }

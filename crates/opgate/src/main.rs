@@ -217,8 +217,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 /// finishes its round.
 async fn run_roles(config: &Config, roles: &[String]) -> anyhow::Result<()> {
     for role in roles {
-        if !matches!(role.as_str(), "ingest" | "relay" | "dispatch" | "reconcile") {
-            bail!("role `{role}` is not built yet (built: ingest, relay, dispatch, reconcile)");
+        if !matches!(
+            role.as_str(),
+            "ingest" | "relay" | "dispatch" | "reconcile" | "api"
+        ) {
+            bail!("unknown role `{role}` (roles: ingest, relay, dispatch, reconcile, api)");
         }
     }
     let has = |r: &str| roles.iter().any(|x| x == r);
@@ -292,6 +295,29 @@ async fn run_roles(config: &Config, roles: &[String]) -> anyhow::Result<()> {
                 Ok(())
             });
         }
+    }
+    if has("api") {
+        let api = config
+            .api
+            .as_ref()
+            .context("the api role needs an [api] table with [[api.tokens]]")?;
+        let tokens = api.tokens()?;
+        anyhow::ensure!(
+            !tokens.is_empty(),
+            "the api role needs at least one [[api.tokens]]"
+        );
+        let state =
+            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
+        let (addr, server) = opgate_api::serve(api.listen, state).await?;
+        info!(%addr, "admin API listening");
+        let token = cancel.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = server => {}
+                () = token.cancelled() => {}
+            }
+            Ok(())
+        });
     }
     info!(roles = %roles.join(","), "opgate running");
     tokio::select! {
