@@ -46,11 +46,24 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
     std::fs::create_dir_all(&dir).expect("dir");
     let url = opgate_testkit::database_url(&dir).await;
     opgate_store::migrate(&url).await.expect("migrate");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
     let config = dir.join("opgate.toml");
-    std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n{}", CONFIG.replace("PORT", &port.to_string()))).expect("config");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{url}\"\n{}",
+            CONFIG.replace("PORT", &port.to_string())
+        ),
+    )
+    .expect("config");
     let sim = Sim::new(SimConfig::default());
-    let (sim_addr, _server) = opgate_sim::start("127.0.0.1:0".parse().expect("addr"), sim.clone()).await.expect("sim");
+    let (sim_addr, _server) = opgate_sim::start("127.0.0.1:0".parse().expect("addr"), sim.clone())
+        .await
+        .expect("sim");
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
         .args(["run", "--config"])
@@ -60,21 +73,46 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .env("TEST_OPERATOR_TOKEN", "s3cret")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(dir.join("opgate.log")).expect("log")))
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join("opgate.log")).expect("log"),
+        ))
         .spawn()
         .expect("spawn");
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
-    while http.get(format!("{base}/readyz")).send().await.map(|r| r.status().is_success()).ok() != Some(true) {
-        assert!(started.elapsed() < Duration::from_secs(20), "the API never became ready; see {}", dir.display());
+    while http
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .map(|r| r.status().is_success())
+        .ok()
+        != Some(true)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the API never became ready; see {}",
+            dir.display()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let proposal = json!({"event_id": "http-1", "tool": "capture_payment", "entity": {"type": "order", "id": "o1"},
         "args": {"amount": "49.00", "currency": "usd"}});
-    let created: Value = http.post(format!("{base}/v1/proposals")).bearer_auth("s3cret").json(&proposal).send().await.expect("post").json().await.expect("json");
+    let created: Value = http
+        .post(format!("{base}/v1/proposals"))
+        .bearer_auth("s3cret")
+        .json(&proposal)
+        .send()
+        .await
+        .expect("post")
+        .json()
+        .await
+        .expect("json");
     assert_eq!(created["decision"], "accepted", "{created}");
-    let id = created["operation"]["operation_id"].as_str().expect("id").to_owned();
+    let id = created["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
     let settled: Value = http
         .get(format!("{base}/v1/operations/{id}?wait=15s"))
         .bearer_auth("s3cret")
@@ -85,13 +123,25 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .await
         .expect("json");
     assert_eq!(settled["status"], "completed_success", "{settled}");
-    assert!(settled["external_id"].as_str().is_some_and(|s| s.starts_with("ch_")));
+    assert!(
+        settled["external_id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("ch_"))
+    );
     assert_eq!((sim.effects().total, sim.effects().duplicates), (1, 0));
 
     // SIGTERM: the roles drain and the process exits successfully.
     let pid = child.id().to_string();
-    let term = Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM");
+    let term = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
     assert!(term.success());
-    let status = tokio::task::spawn_blocking(move || child.wait().expect("wait")).await.expect("join");
-    assert!(status.success(), "opgate exited with {status:?} after SIGTERM");
+    let status = tokio::task::spawn_blocking(move || child.wait().expect("wait"))
+        .await
+        .expect("join");
+    assert!(
+        status.success(),
+        "opgate exited with {status:?} after SIGTERM"
+    );
 }
