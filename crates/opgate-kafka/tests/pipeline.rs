@@ -438,6 +438,9 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
     }
 }
 
+// Mock cluster only: on tansu 0.6.0 this passed in some runs and stalled in others after
+// the member left (README, "Known broker differences").
+#[cfg(not(feature = "integration"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rebalance_keeps_the_totals_exact() {
     let env = env(6).await;
