@@ -75,6 +75,21 @@ macro_rules! in_tx {
 
 struct PgTx(Transaction<'static, Postgres>);
 
+impl PgTx {
+    /// One operation by id, with a locking clause (`""`, `FOR UPDATE`, `FOR UPDATE SKIP LOCKED`).
+    async fn select_operation(&mut self, id: Uuid, locking: &str) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 {locking}"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+}
+
 const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_components, args_fingerprint, \
     event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
     canonical_args, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, \
@@ -201,39 +216,15 @@ impl Tx for PgTx {
     }
 
     async fn read_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
-        sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1"
-        ))
-        .bind(id)
-        .fetch_optional(&mut *self.0)
-        .await?
-        .as_ref()
-        .map(op_from_row)
-        .transpose()
+        self.select_operation(id, "").await
     }
 
     async fn try_lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
-        sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 FOR UPDATE SKIP LOCKED"
-        ))
-        .bind(id)
-        .fetch_optional(&mut *self.0)
-        .await?
-        .as_ref()
-        .map(op_from_row)
-        .transpose()
+        self.select_operation(id, "FOR UPDATE SKIP LOCKED").await
     }
 
     async fn lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
-        sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 FOR UPDATE"
-        ))
-        .bind(id)
-        .fetch_optional(&mut *self.0)
-        .await?
-        .as_ref()
-        .map(op_from_row)
-        .transpose()
+        self.select_operation(id, "FOR UPDATE").await
     }
 
     async fn lock_operation_by_key(
