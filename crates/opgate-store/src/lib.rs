@@ -16,6 +16,7 @@
 //! statement set; the backends differ only in SQL dialect and column types. All times
 //! come from the database clock, read once per transaction.
 
+mod common;
 mod error;
 mod flow;
 pub mod postgres;

@@ -2,9 +2,7 @@
 
 use std::time::Duration;
 
-use opgate_core::{
-    Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Source, Status,
-};
+use opgate_core::{Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
 use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
@@ -12,6 +10,7 @@ use sqlx::{Postgres, QueryBuilder, Row, Transaction};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::common::{corrupt, millis, page_size, paginate, parse_cursor, source_columns};
 use crate::flow::{self, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
@@ -96,10 +95,6 @@ const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_componen
     unknown_since, lease_owner, lease_expires_at, lease_epoch, external_request_id, \
     external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at";
 
-fn corrupt(what: &str, value: &str) -> Error {
-    Error::Corrupt(format!("{what} {value:?}"))
-}
-
 fn op_from_row(row: &PgRow) -> Result<Operation> {
     let class: String = row.try_get("side_effect_class")?;
     let status: String = row.try_get("status")?;
@@ -148,23 +143,8 @@ fn op_from_row(row: &PgRow) -> Result<Operation> {
     })
 }
 
-fn source_columns(delivery: &Delivery) -> (Option<&str>, Option<i32>, Option<i64>) {
-    match &delivery.source {
-        Source::Kafka {
-            topic,
-            partition,
-            offset,
-        } => (Some(topic.as_str()), Some(*partition), Some(*offset)),
-        Source::Http => (None, None, None),
-    }
-}
-
 /// Rows per multi-row statement: PostgreSQL allows 65535 parameters, an operation has 34.
 const CHUNK: usize = 1000;
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
 
 impl Tx for PgTx {
     async fn now(&mut self) -> Result<OffsetDateTime> {
@@ -782,30 +762,5 @@ impl Ledger for PgLedger {
             Err(e) => return Err(e.into()),
         };
         Ok(SchemaStatus::new(found, &schema::POSTGRES))
-    }
-}
-
-pub(crate) fn page_size(filter: &ListFilter) -> usize {
-    filter.limit.unwrap_or(50).clamp(1, 500)
-}
-
-pub(crate) fn parse_cursor(filter: &ListFilter) -> Result<Option<Uuid>> {
-    filter
-        .cursor
-        .as_deref()
-        .map(|c| Uuid::parse_str(c).map_err(|_| Error::Corrupt(format!("bad cursor {c:?}"))))
-        .transpose()
-}
-
-pub(crate) fn paginate(mut operations: Vec<Operation>, limit: usize) -> Page {
-    let next_cursor = if operations.len() > limit {
-        operations.truncate(limit);
-        operations.last().map(|o| o.operation_id.to_string())
-    } else {
-        None
-    };
-    Page {
-        operations,
-        next_cursor,
     }
 }

@@ -8,9 +8,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use opgate_core::{
-    Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Source, Status,
-};
+use opgate_core::{Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
 use serde_json::Value;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -21,8 +19,8 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
+use crate::common::{corrupt, millis, page_size, paginate, parse_cursor, source_columns};
 use crate::flow::{self, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
-use crate::postgres::{page_size, paginate, parse_cursor};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
@@ -154,10 +152,6 @@ fn json_text<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "null".to_owned())
 }
 
-fn corrupt(what: &str, value: &str) -> Error {
-    Error::Corrupt(format!("{what} {value:?}"))
-}
-
 fn op_from_row(row: &SqliteRow) -> Result<Operation> {
     let class: String = row.try_get("side_effect_class")?;
     let status: String = row.try_get("status")?;
@@ -202,10 +196,6 @@ fn op_from_row(row: &SqliteRow) -> Result<Operation> {
     })
 }
 
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
 fn ids(rows: Vec<String>) -> Result<Vec<Uuid>> {
     rows.iter()
         .map(|s| Uuid::parse_str(s).map_err(|e| Error::Corrupt(format!("operation_id {s:?}: {e}"))))
@@ -226,14 +216,7 @@ impl Tx for SqliteTx {
         delivery: &Delivery,
         at: OffsetDateTime,
     ) -> Result<bool> {
-        let (topic, partition, offset) = match &delivery.source {
-            Source::Kafka {
-                topic,
-                partition,
-                offset,
-            } => (Some(topic.as_str()), Some(*partition), Some(*offset)),
-            Source::Http => (None, None, None),
-        };
+        let (topic, partition, offset) = source_columns(delivery);
         let done = sqlx::query(
             r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at)
                VALUES ($1, $2, $3, $4, 'accepted', $5) ON CONFLICT (source_id) DO NOTHING"#,
