@@ -3,7 +3,7 @@
 //! - viewer: `GET /v1/operations`, `GET /v1/operations/{id}` (`?wait=10s` long-polls for
 //!   a terminal state), `GET /v1/operations/{id}/events`;
 //! - operator: everything a viewer may, plus `POST /v1/operations/{id}/{approve|reject|
-//!   cancel|resolve}` and `POST /v1/proposals` (HTTP ingress for agents without a Kafka
+//!   cancel|resolve|compensate}` and `POST /v1/proposals` (HTTP ingress for agents without a Kafka
 //!   client; the same JSON as the topic, the same ledger path, so a proposal sent both ways
 //!   is one operation);
 //! - no token: `/healthz` (alive) and `/readyz` (ledger reachable, schema current).
@@ -132,6 +132,9 @@ impl From<opgate_store::Error> for ApiError {
             ),
             opgate_store::Error::IllegalTransition { .. } => {
                 Self::new(StatusCode::CONFLICT, "illegal_transition", e.to_string())
+            }
+            opgate_store::Error::Conflict(message) => {
+                Self::new(StatusCode::CONFLICT, "conflict", message)
             }
             other => {
                 tracing::error!(error = %other, "ledger error in the API");
@@ -416,6 +419,9 @@ async fn act(
         Some(Json(v)) => serde_json::from_value(v)
             .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", e.to_string()))?,
     };
+    if action == "compensate" {
+        return compensate(&state, caller, id, body).await;
+    }
     let event = match action.as_str() {
         "approve" => Event::Approve,
         "reject" => Event::Reject,
@@ -439,7 +445,7 @@ async fn act(
             return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 "unknown_action",
-                format!("unknown action `{other}` (approve, reject, cancel, resolve)"),
+                format!("unknown action `{other}` (approve, reject, cancel, resolve, compensate)"),
             ));
         }
     };
@@ -454,6 +460,61 @@ async fn act(
         })
         .await?;
     Ok(Json(operation_json(&op)))
+}
+
+/// `POST /v1/operations/{id}/compensate`: records the compensating operation the tool's
+/// `[tools.compensation]` describes and moves the original to `compensating`; it settles
+/// to `compensated` when the compensation completes. Asked again, the same compensation.
+async fn compensate(
+    state: &ApiState,
+    caller: Caller,
+    id: Uuid,
+    body: ActionBody,
+) -> Result<Json<Value>, ApiError> {
+    let original = state
+        .ledger
+        .operation(id)
+        .await?
+        .ok_or(opgate_store::Error::NotFound(id))?;
+    if !matches!(
+        original.status,
+        Status::CompletedSuccess | Status::Compensating | Status::Compensated
+    ) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "illegal_transition",
+            format!(
+                "operation {id} is {}; only a completed_success operation can be compensated",
+                original.status
+            ),
+        ));
+    }
+    let unprocessable = |r: opgate_core::Rejection| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.reason, r.message)
+    };
+    let proposal = opgate_core::compensation::proposal(&state.registry, &original, &caller.name)
+        .map_err(unprocessable)?;
+    let delivery = Delivery {
+        source: Source::Http,
+        traceparent: original.traceparent.clone(),
+    };
+    let envelope = match IngestItem::from_proposal(&state.registry, &proposal, delivery) {
+        IngestItem::Accepted(envelope) => *envelope,
+        IngestItem::Rejected(rejected) => return Err(unprocessable(rejected.rejection)),
+    };
+    let (original, compensation) = state
+        .ledger
+        .compensate(&opgate_store::CompensationRequest {
+            operation_id: id,
+            envelope,
+            actor: caller.name,
+            reason: body.reason.unwrap_or_else(|| "compensate".into()),
+        })
+        .await?;
+    Ok(Json(json!({
+        "operation": operation_json(&original),
+        "compensation": operation_json(&compensation),
+    })))
 }
 
 async fn propose(

@@ -72,6 +72,54 @@ pub struct Envelope {
     pub side_effect_class: SideEffectClass,
     /// The state a new operation starts in.
     pub initial_status: Status,
+    /// Policies beside the key (`dedupe_window`, `exclusive_group`), checked by the
+    /// ledger against the entity's recent operations.
+    pub guards: Vec<Guard>,
+}
+
+/// A policy the ledger checks at ingest, beside the key: a recent operation on the same
+/// entity by one of `tools` (with the same canonical args when `same_args`) that did
+/// not fail suppresses the proposal as a duplicate with `reason`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guard {
+    /// `window` (the tool's `dedupe_window`) or `exclusive_group`.
+    pub reason: &'static str,
+    /// The tools whose operations count.
+    pub tools: Vec<String>,
+    /// How far back, from the ledger's clock.
+    pub window: std::time::Duration,
+    /// Only operations with the same args fingerprint count.
+    pub same_args: bool,
+}
+
+/// The guards a tool's policies ask for.
+fn guards(registry: &Registry, tool: &crate::Tool) -> Vec<Guard> {
+    let mut guards = Vec::new();
+    if let Some(window) = tool.dedupe_window {
+        guards.push(Guard {
+            reason: "window",
+            tools: vec![tool.name.clone()],
+            window,
+            same_args: true,
+        });
+    }
+    if let Some(group) = &tool.exclusive_group {
+        guards.push(Guard {
+            reason: "exclusive_group",
+            tools: registry
+                .tools()
+                .filter(|t| {
+                    t.exclusive_group
+                        .as_ref()
+                        .is_some_and(|g| g.name == group.name)
+                })
+                .map(|t| t.name.clone())
+                .collect(),
+            window: group.window,
+            same_args: false,
+        });
+    }
+    guards
 }
 
 /// Why a proposal is refused before it becomes an operation.
@@ -247,6 +295,7 @@ pub fn prepare(
         key_strategy: tool.key_strategy,
         side_effect_class: tool.side_effect_class,
         initial_status: initial_status(tool.approval == Approval::Required),
+        guards: guards(registry, tool),
     })
 }
 

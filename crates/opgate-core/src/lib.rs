@@ -10,6 +10,7 @@
 //! Nothing here reads a clock, a random source or the network: callers pass them in.
 
 pub mod canonical;
+pub mod compensation;
 pub mod decimal;
 pub mod envelope;
 pub mod envsubst;
@@ -22,7 +23,7 @@ pub mod retry;
 pub mod state;
 pub mod template;
 
-pub use envelope::{Delivery, Envelope, IngestItem, RejectedProposal, Rejection, Source};
+pub use envelope::{Delivery, Envelope, Guard, IngestItem, RejectedProposal, Rejection, Source};
 pub use operation::{Dedupe, ErrorInfo, Operation, ResultMessage};
 pub use proposal::{Entity, Limits, Proposal, ProposalError};
 pub use registry::{Registry, RegistryError, SideEffectClass, Tool};

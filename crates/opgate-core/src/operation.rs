@@ -168,6 +168,47 @@ pub struct ResultMessage {
     pub traceparent: Option<String>,
 }
 
+impl Operation {
+    /// A new operation for an accepted proposal, in its initial state.
+    pub fn from_envelope(env: &crate::Envelope, operation_id: Uuid, at: OffsetDateTime) -> Self {
+        Operation {
+            operation_id,
+            namespace: env.key.namespace.clone(),
+            idempotency_key: env.key.key.clone(),
+            key_components: env.key.components.clone(),
+            args_fingerprint: env.args_fingerprint.clone(),
+            event_id: env.event_id.clone(),
+            agent_id: env.agent_id.clone(),
+            workflow_id: env.workflow_id.clone(),
+            run_id: env.run_id.clone(),
+            step: env.step,
+            tool: env.tool.clone(),
+            intent: env.intent.clone(),
+            entity: env.entity.clone(),
+            entity_key: env.entity_key.clone(),
+            canonical_args: env.canonical_args.clone(),
+            side_effect_class: env.side_effect_class,
+            status: env.initial_status,
+            attempt_count: 0,
+            first_attempt_at: None,
+            unknown_since: None,
+            next_attempt_at: None,
+            lease_owner: None,
+            lease_expires_at: None,
+            lease_epoch: 0,
+            external_request_id: None,
+            external_object_id: None,
+            result: None,
+            error: None,
+            compensates: None,
+            traceparent: env.delivery.traceparent.clone(),
+            result_seq: 0,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+}
+
 /// What an agent should do next in a state.
 pub fn retry_recommendation(status: Status) -> &'static str {
     match status {

@@ -1,11 +1,13 @@
 //! Simulated providers for tests, the demo and `opgate sim` (DESIGN.md section 6).
 //!
-//! Three providers with the idempotency behaviour real ones have:
+//! Providers with the idempotency behaviour real ones have:
 //! - `POST /payments` honours the `Idempotency-Key` header (a repeat returns the stored
 //!   charge, no new effect); `GET /payments?idempotency_key=K` looks a charge up;
 //! - `POST /emails` has no idempotency: every accepted send is an effect;
 //!   `GET /emails?client_reference=R` finds a sent email by the body's `client_reference`;
-//! - `POST /tickets` dedupes on the body's `client_token`; `GET /tickets?client_token=T`.
+//! - `POST /tickets` dedupes on the body's `client_token`; `GET /tickets?client_token=T`;
+//! - `POST /orders` and `POST /credits` dedupe on `client_token` like tickets, and
+//!   `POST /refunds` on `Idempotency-Key` like payments (the demo's extra providers).
 //!
 //! Faults are injected per provider, per key prefix, a number of times or with a
 //! probability (seeded): `timeout_before_commit`, `timeout_after_commit`, `throttle`
@@ -34,7 +36,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 /// The three providers.
-pub const PROVIDERS: [&str; 3] = ["payments", "emails", "tickets"];
+pub const PROVIDERS: [&str; 6] = [
+    "payments", "emails", "tickets", "orders", "refunds", "credits",
+];
 
 /// A fault kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -317,6 +321,11 @@ impl Sim {
                 json!({"charge_id": format!("ch_{id}"), "amount": body.get("amount"), "currency": body.get("currency")})
             }
             "tickets" => json!({"ticket_id": format!("tk_{id}"), "client_token": key}),
+            "orders" => json!({"order_id": format!("ord_{id}"), "client_token": key}),
+            "refunds" => {
+                json!({"refund_id": format!("re_{id}"), "charge_id": body.get("charge_id")})
+            }
+            "credits" => json!({"credit_id": format!("cr_{id}"), "client_token": key}),
             _ => json!({"message_id": format!("msg_{id}"), "client_reference": key}),
         };
         let visible_at = Instant::now()
@@ -386,12 +395,52 @@ impl Drop for InFlight {
     }
 }
 
+/// How a provider recognises a repeated request.
+#[derive(Debug, Clone, Copy)]
+enum KeyedBy {
+    /// The `Idempotency-Key` header (payments, refunds); looked up by `idempotency_key`.
+    Header,
+    /// A body field, looked up by a query parameter of the same name.
+    Body(&'static str),
+}
+
+/// Each provider and how it keys requests (every provider but `emails` deduplicates).
+const ROUTES: [(&str, KeyedBy); 6] = [
+    ("payments", KeyedBy::Header),
+    ("emails", KeyedBy::Body("client_reference")),
+    ("tickets", KeyedBy::Body("client_token")),
+    ("orders", KeyedBy::Body("client_token")),
+    ("refunds", KeyedBy::Header),
+    ("credits", KeyedBy::Body("client_token")),
+];
+
 /// The HTTP router.
 pub fn router(sim: Sim) -> Router {
-    Router::new()
-        .route("/payments", post(create_payment).get(find_payment))
-        .route("/emails", post(send_email).get(find_email))
-        .route("/tickets", post(create_ticket).get(find_ticket))
+    let mut router = Router::new();
+    for (provider, keyed_by) in ROUTES {
+        let path = format!("/{provider}");
+        router = router.route(
+            &path,
+            post(
+                move |State(sim): State<Sim>, headers: HeaderMap, Json(body): Json<Value>| {
+                    create(sim, provider, keyed_by, headers, body)
+                },
+            )
+            .get(
+                move |State(sim): State<Sim>, Query(q): Query<HashMap<String, String>>| async move {
+                    let param = match keyed_by {
+                        KeyedBy::Header => "idempotency_key",
+                        KeyedBy::Body(field) => field,
+                    };
+                    match q.get(param) {
+                        Some(k) => found(sim.lookup(provider, k)),
+                        None => missing(param),
+                    }
+                },
+            ),
+        );
+    }
+    router
         .route("/effects", get(effects))
         .route("/faults", post(add_fault).delete(clear_faults))
         .route("/healthz", get(|| async { "ok" }))
@@ -480,71 +529,31 @@ fn missing(what: &str) -> Response {
         .into_response()
 }
 
-async fn create_payment(
-    State(sim): State<Sim>,
+async fn create(
+    sim: Sim,
+    provider: &'static str,
+    keyed_by: KeyedBy,
     headers: HeaderMap,
-    Json(body): Json<Value>,
+    body: Value,
 ) -> Response {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-    else {
-        return missing("the Idempotency-Key header");
+    let key = match keyed_by {
+        KeyedBy::Header => headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .ok_or("the Idempotency-Key header"),
+        KeyedBy::Body(field) => body_key(&body, field).ok_or(field),
     };
-    handle(sim, "payments", key, headers, body).await
-}
-
-async fn send_email(
-    State(sim): State<Sim>,
-    headers: HeaderMap,
-    Json(body): Json<Value>,
-) -> Response {
-    let Some(key) = body_key(&body, "client_reference") else {
-        return missing("client_reference");
-    };
-    handle(sim, "emails", key, headers, body).await
-}
-
-async fn create_ticket(
-    State(sim): State<Sim>,
-    headers: HeaderMap,
-    Json(body): Json<Value>,
-) -> Response {
-    let Some(key) = body_key(&body, "client_token") else {
-        return missing("client_token");
-    };
-    handle(sim, "tickets", key, headers, body).await
+    match key {
+        Ok(key) => handle(sim, provider, key, headers, body).await,
+        Err(what) => missing(what),
+    }
 }
 
 fn found(value: Option<Value>) -> Response {
     match value {
         Some(v) => (StatusCode::OK, Json(v)).into_response(),
         None => (StatusCode::NOT_FOUND, Json(json!({"error": "not found"}))).into_response(),
-    }
-}
-
-async fn find_payment(
-    State(sim): State<Sim>,
-    Query(q): Query<HashMap<String, String>>,
-) -> Response {
-    match q.get("idempotency_key") {
-        Some(k) => found(sim.lookup("payments", k)),
-        None => missing("idempotency_key"),
-    }
-}
-
-async fn find_email(State(sim): State<Sim>, Query(q): Query<HashMap<String, String>>) -> Response {
-    match q.get("client_reference") {
-        Some(k) => found(sim.lookup("emails", k)),
-        None => missing("client_reference"),
-    }
-}
-
-async fn find_ticket(State(sim): State<Sim>, Query(q): Query<HashMap<String, String>>) -> Response {
-    match q.get("client_token") {
-        Some(k) => found(sim.lookup("tickets", k)),
-        None => missing("client_token"),
     }
 }
 
@@ -556,7 +565,7 @@ async fn add_fault(State(sim): State<Sim>, Json(fault): Json<FaultSpec>) -> Resp
     if !PROVIDERS.contains(&fault.provider.as_str()) {
         return (
             StatusCode::BAD_REQUEST,
-            Json(json!({"error": format!("unknown provider `{}` (known: payments, emails, tickets)", fault.provider)})),
+            Json(json!({"error": format!("unknown provider `{}` (known: payments, emails, tickets, orders, refunds, credits)", fault.provider)})),
         )
             .into_response();
     }

@@ -51,6 +51,9 @@ pub enum Error {
         /// The refused transition.
         source: IllegalTransition,
     },
+    /// A request the ledger's current contents contradict (e.g. a key already taken).
+    #[error("conflict: {0}")]
+    Conflict(String),
     /// A row the store wrote cannot be read back (a bug or manual edit).
     #[error("corrupt row: {0}")]
     Corrupt(String),

@@ -20,8 +20,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::types::{
-    AttemptReport, Claim, ClaimRequest, Command, IngestDecision, IngestOutcome, QueueState,
-    Recording,
+    AttemptReport, Claim, ClaimRequest, Command, CompensationRequest, IngestDecision,
+    IngestOutcome, QueueState, Recording,
 };
 use crate::{Error, Result};
 
@@ -108,6 +108,11 @@ pub(crate) trait Tx: Send {
         &mut self,
         namespace: &str,
         key: &str,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Reads and row-locks the oldest operation a [`Guard`] finds (see [`GuardProbe`]).
+    fn lock_guarded(
+        &mut self,
+        probe: &GuardProbe<'_>,
     ) -> impl Future<Output = Result<Option<Operation>>> + Send;
     /// Writes an operation's mutable columns.
     fn update_operation(&mut self, op: &Operation) -> impl Future<Output = Result<()>> + Send;
@@ -235,6 +240,80 @@ pub(crate) trait Tx: Send {
     ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
 }
 
+/// What a guard looks for: an operation on `entity_key` created since `since` by one of
+/// `tools` (with `fingerprint`, when given) that has not failed, been refused or been
+/// undone — other than the proposal's own key (a key hit is a `key` dedupe instead).
+pub(crate) struct GuardProbe<'a> {
+    pub entity_key: &'a str,
+    pub tools: &'a [String],
+    pub since: OffsetDateTime,
+    pub fingerprint: Option<&'a str>,
+    pub namespace: &'a str,
+    pub exclude_key: &'a str,
+}
+
+/// The statuses that no longer count for a guard.
+pub(crate) const GUARD_IGNORES: &str = "'rejected', 'cancelled', 'failed_permanent', 'compensated'";
+
+/// For each fresh, accepted proposal whose tool has guards: the reason and the key of
+/// the operation that suppresses it — an earlier proposal of this batch, or a recent
+/// operation in the ledger.
+async fn guard_hits<T: Tx>(
+    tx: &mut T,
+    batch: &[IngestItem],
+    fresh: &[bool],
+    now: OffsetDateTime,
+) -> Result<Vec<Option<(&'static str, (String, String))>>> {
+    let mut hits = vec![None; batch.len()];
+    for (i, item) in batch.iter().enumerate() {
+        let IngestItem::Accepted(env) = item else {
+            continue;
+        };
+        if !fresh[i] || env.guards.is_empty() {
+            continue;
+        }
+        for guard in &env.guards {
+            let since = now - time::Duration::try_from(guard.window).unwrap_or(time::Duration::MAX);
+            // An earlier proposal of this batch that will stand.
+            let earlier = batch[..i]
+                .iter()
+                .enumerate()
+                .find_map(|(j, other)| match other {
+                    IngestItem::Accepted(o)
+                        if fresh[j]
+                            && hits[j].is_none()
+                            && o.entity_key == env.entity_key
+                            && o.key.key != env.key.key
+                            && guard.tools.contains(&o.tool)
+                            && (!guard.same_args || o.args_fingerprint == env.args_fingerprint) =>
+                    {
+                        Some((o.key.namespace.clone(), o.key.key.clone()))
+                    }
+                    _ => None,
+                });
+            let found = match earlier {
+                Some(key) => Some(key),
+                None => tx
+                    .lock_guarded(&GuardProbe {
+                        entity_key: &env.entity_key,
+                        tools: &guard.tools,
+                        since,
+                        fingerprint: guard.same_args.then_some(env.args_fingerprint.as_str()),
+                        namespace: &env.key.namespace,
+                        exclude_key: &env.key.key,
+                    })
+                    .await?
+                    .map(|op| (op.namespace, op.idempotency_key)),
+            };
+            if let Some(key) = found {
+                hits[i] = Some((guard.reason, key));
+                break;
+            }
+        }
+    }
+    Ok(hits)
+}
+
 fn add(at: OffsetDateTime, d: Duration) -> OffsetDateTime {
     at + time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
 }
@@ -284,41 +363,7 @@ async fn publish<T: Tx>(
 }
 
 fn new_operation(env: &Envelope, at: OffsetDateTime) -> Operation {
-    Operation {
-        operation_id: Uuid::now_v7(),
-        namespace: env.key.namespace.clone(),
-        idempotency_key: env.key.key.clone(),
-        key_components: env.key.components.clone(),
-        args_fingerprint: env.args_fingerprint.clone(),
-        event_id: env.event_id.clone(),
-        agent_id: env.agent_id.clone(),
-        workflow_id: env.workflow_id.clone(),
-        run_id: env.run_id.clone(),
-        step: env.step,
-        tool: env.tool.clone(),
-        intent: env.intent.clone(),
-        entity: env.entity.clone(),
-        entity_key: env.entity_key.clone(),
-        canonical_args: env.canonical_args.clone(),
-        side_effect_class: env.side_effect_class,
-        status: env.initial_status,
-        attempt_count: 0,
-        first_attempt_at: None,
-        unknown_since: None,
-        next_attempt_at: None,
-        lease_owner: None,
-        lease_expires_at: None,
-        lease_epoch: 0,
-        external_request_id: None,
-        external_object_id: None,
-        result: None,
-        error: None,
-        compensates: None,
-        traceparent: env.delivery.traceparent.clone(),
-        result_seq: 0,
-        created_at: at,
-        updated_at: at,
-    }
+    Operation::from_envelope(env, Uuid::now_v7(), at)
 }
 
 /// Ingests a batch (see [`crate::Ledger::ingest`]) with a fixed number of statements per
@@ -337,11 +382,16 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     // The inbox row is claimed first: a concurrent transaction ingesting the same event
     // waits here and then finds it, so an event is decided exactly once.
     let fresh = tx.insert_inbox_batch(&deliveries, now).await?;
+    // Policies beside the key (dedupe window, exclusive group) decide before the key.
+    let guarded = guard_hits(tx, batch, &fresh, now).await?;
 
-    // Every fresh, accepted proposal is a candidate operation; the unique key decides.
+    // Every other fresh, accepted proposal is a candidate operation; the unique key decides.
     let mut candidates = Vec::new();
     let mut candidate_of = vec![None; batch.len()];
     for (i, item) in batch.iter().enumerate() {
+        if guarded[i].is_some() {
+            continue;
+        }
         if let (true, IngestItem::Accepted(env)) = (fresh[i], item) {
             let mut op = new_operation(env, now);
             op.result_seq = 1;
@@ -388,36 +438,58 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             });
             continue;
         }
-        let (decision, operation) = match item {
-            IngestItem::Rejected(rejected) => {
-                outbox.push(rejection_row(rejected, now)?);
-                let reason = rejected.rejection.reason.to_owned();
-                (IngestDecision::Rejected { reason }, None)
-            }
-            IngestItem::Accepted(env) => {
-                let c = candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
-                if created[c] {
-                    let mut op = candidates[c].clone();
-                    op.result_seq = 0;
-                    outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
-                    events.push(c);
-                    queue.push(c);
-                    (IngestDecision::Accepted, Some(op))
-                } else {
-                    let key = (env.key.namespace.clone(), env.key.key.clone());
-                    let existing =
+        let (decision, operation) =
+            match item {
+                IngestItem::Rejected(rejected) => {
+                    outbox.push(rejection_row(rejected, now)?);
+                    let reason = rejected.rejection.reason.to_owned();
+                    (IngestDecision::Rejected { reason }, None)
+                }
+                IngestItem::Accepted(env) if guarded[i].is_some() => {
+                    let Some((reason, key)) = guarded[i].clone() else {
+                        return Err(Error::Corrupt("guard lost".into()));
+                    };
+                    let mut existing =
                         match hit.remove(&key) {
                             Some(op) => op,
                             None => tx.lock_operation_by_key(&key.0, &key.1).await?.ok_or_else(
                                 || Error::Corrupt(format!("operation for key {} vanished", key.1)),
                             )?,
                         };
-                    let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
+                    outbox.push(result_row(
+                        &mut existing,
+                        &env.event_id,
+                        Dedupe::hit(reason),
+                        now,
+                    )?);
                     hit.insert(key, existing.clone());
-                    (decision, Some(existing))
+                    let reason = reason.to_owned();
+                    (IngestDecision::Deduplicated { reason }, Some(existing))
                 }
-            }
-        };
+                IngestItem::Accepted(env) => {
+                    let c =
+                        candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
+                    if created[c] {
+                        let mut op = candidates[c].clone();
+                        op.result_seq = 0;
+                        outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
+                        events.push(c);
+                        queue.push(c);
+                        (IngestDecision::Accepted, Some(op))
+                    } else {
+                        let key = (env.key.namespace.clone(), env.key.key.clone());
+                        let existing = match hit.remove(&key) {
+                            Some(op) => op,
+                            None => tx.lock_operation_by_key(&key.0, &key.1).await?.ok_or_else(
+                                || Error::Corrupt(format!("operation for key {} vanished", key.1)),
+                            )?,
+                        };
+                        let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
+                        hit.insert(key, existing.clone());
+                        (decision, Some(existing))
+                    }
+                }
+            };
         decisions.push((
             i,
             decision.clone(),
@@ -600,7 +672,60 @@ struct Change<'a> {
 }
 
 /// Applies one transition to a locked operation and writes everything that goes with it.
+/// When the operation is a compensation that just settled, the operation it undoes
+/// leaves `compensating` in the same transaction: `compensated` if it succeeded, back to
+/// `completed_success` (its effect still stands) if it did not.
 async fn change<T: Tx>(
+    tx: &mut T,
+    op: &mut Operation,
+    c: Change<'_>,
+    now: OffsetDateTime,
+) -> Result<std::result::Result<(), Error>> {
+    if let Err(e) = change_one(tx, op, c, now).await? {
+        return Ok(Err(e));
+    }
+    let Some(original_id) = op.compensates else {
+        return Ok(Ok(()));
+    };
+    if !op.status.is_terminal() {
+        return Ok(Ok(()));
+    }
+    let Some(mut original) = tx.lock_operation(original_id).await? else {
+        return Err(Error::Corrupt(format!(
+            "operation {} compensates {original_id}, which is missing",
+            op.operation_id
+        )));
+    };
+    if original.status != Status::Compensating {
+        return Ok(Ok(()));
+    }
+    let succeeded = matches!(op.status, Status::CompletedSuccess | Status::CompletedNoop);
+    let (event, reason) = if succeeded {
+        (Event::CompensationSucceeded, "compensation_succeeded")
+    } else {
+        (Event::CompensationFailed, "compensation_failed")
+    };
+    original.lease_epoch += 1;
+    change_one(
+        tx,
+        &mut original,
+        Change {
+            event,
+            reason,
+            attempt_id: None,
+            actor: None,
+            next_in: None,
+            detail: Some(json!({"compensation": op.operation_id, "status": op.status.as_str()})),
+        },
+        now,
+    )
+    .await?
+    .map_err(|e| Error::Corrupt(format!("settling the compensated operation: {e}")))?;
+    Ok(Ok(()))
+}
+
+/// [`change`] without the compensation follow-up.
+async fn change_one<T: Tx>(
     tx: &mut T,
     op: &mut Operation,
     c: Change<'_>,
@@ -802,4 +927,77 @@ pub(crate) async fn apply<T: Tx>(tx: &mut T, command: &Command) -> Result<Operat
     )
     .await??;
     Ok(op)
+}
+
+/// Starts a compensation (see [`crate::Ledger::compensate`]).
+pub(crate) async fn compensate<T: Tx>(
+    tx: &mut T,
+    request: &CompensationRequest,
+) -> Result<(Operation, Operation)> {
+    let now = tx.now().await?;
+    let mut original = tx
+        .lock_operation(request.operation_id)
+        .await?
+        .ok_or(Error::NotFound(request.operation_id))?;
+    let key = &request.envelope.key;
+    if let Some(existing) = tx.lock_operation_by_key(&key.namespace, &key.key).await? {
+        // Asked again while (or after) the compensation runs: the same compensation.
+        if existing.compensates == Some(original.operation_id)
+            && matches!(original.status, Status::Compensating | Status::Compensated)
+        {
+            return Ok((original, existing));
+        }
+        return Err(Error::Conflict(format!(
+            "the compensation's key `{}` already names operation {} ({}); resolve it by hand",
+            key.key,
+            existing.operation_id,
+            existing.status.as_str()
+        )));
+    }
+    original.lease_epoch += 1;
+    change(
+        tx,
+        &mut original,
+        Change {
+            event: Event::StartCompensation,
+            reason: &request.reason,
+            attempt_id: None,
+            actor: Some(&request.actor),
+            next_in: None,
+            detail: None,
+        },
+        now,
+    )
+    .await??;
+    let mut compensation = new_operation(&request.envelope, now);
+    compensation.compensates = Some(original.operation_id);
+    compensation.result_seq = 1;
+    let created = tx
+        .insert_operations_batch(std::slice::from_ref(&compensation))
+        .await?;
+    if created.first() != Some(&true) {
+        return Err(Error::Conflict(format!(
+            "the compensation's key `{}` was taken concurrently",
+            key.key
+        )));
+    }
+    tx.insert_event(&NewEvent {
+        operation_id: compensation.operation_id,
+        from: None,
+        to: compensation.status,
+        reason: "compensation",
+        attempt_id: None,
+        epoch: 0,
+        actor: Some(&request.actor),
+        at: now,
+        detail: Some(json!({"compensates": original.operation_id})),
+    })
+    .await?;
+    tx.put_queue(&compensation, QueueState::of(compensation.status), now, now)
+        .await?;
+    compensation.result_seq = 0;
+    let event_id = compensation.event_id.clone();
+    publish(tx, &mut compensation, &event_id, Dedupe::miss(), now).await?;
+    tx.update_operation(&compensation).await?;
+    Ok((original, compensation))
 }

@@ -59,6 +59,12 @@ pub trait Ledger: Send + Sync + 'static {
     /// start or finish a compensation). Fences any lease holder by bumping the epoch.
     async fn apply(&self, command: &Command) -> Result<Operation>;
 
+    /// Starts compensating a completed operation: it moves to `compensating` and the
+    /// compensating operation (`compensates` = the original) is recorded and queued, in
+    /// one transaction. Asked again, it returns the same compensation. Returns the
+    /// original and the compensation.
+    async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)>;
+
     /// Leases unpublished result rows to a relay, oldest first.
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>>;
 

@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::common::{corrupt, millis, page_size, paginate, parse_cursor, source_columns};
-use crate::flow::{self, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
+use crate::flow::{self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
@@ -217,6 +217,28 @@ impl Tx for PgTx {
         ))
         .bind(namespace)
         .bind(key)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
+    async fn lock_guarded(&mut self, p: &GuardProbe<'_>) -> Result<Option<Operation>> {
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations \
+             WHERE entity_key = $1 AND tool = ANY($2) AND created_at >= $3 \
+               AND ($4::text IS NULL OR args_fingerprint = $4) \
+               AND NOT (namespace = $5 AND idempotency_key = $6) \
+               AND status NOT IN ({GUARD_IGNORES}) \
+             ORDER BY created_at LIMIT 1 FOR UPDATE"
+        ))
+        .bind(p.entity_key)
+        .bind(p.tools)
+        .bind(p.since)
+        .bind(p.fingerprint)
+        .bind(p.namespace)
+        .bind(p.exclude_key)
         .fetch_optional(&mut *self.0)
         .await?
         .as_ref()
@@ -600,6 +622,10 @@ impl Ledger for PgLedger {
 
     async fn apply(&self, command: &Command) -> Result<Operation> {
         in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+    }
+
+    async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)> {
+        in_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
     }
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {

@@ -20,7 +20,7 @@ use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
 use crate::common::{corrupt, millis, page_size, paginate, parse_cursor, source_columns};
-use crate::flow::{self, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
+use crate::flow::{self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
@@ -354,6 +354,29 @@ impl Tx for SqliteTx {
         .transpose()
     }
 
+    async fn lock_guarded(&mut self, p: &GuardProbe<'_>) -> Result<Option<Operation>> {
+        let tools = serde_json::to_string(p.tools).map_err(|e| Error::Corrupt(e.to_string()))?;
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations \
+             WHERE entity_key = $1 AND tool IN (SELECT value FROM json_each($2)) AND created_at >= $3 \
+               AND ($4 IS NULL OR args_fingerprint = $4) \
+               AND NOT (namespace = $5 AND idempotency_key = $6) \
+               AND status NOT IN ({GUARD_IGNORES}) \
+             ORDER BY created_at LIMIT 1"
+        ))
+        .bind(p.entity_key)
+        .bind(tools)
+        .bind(ts(p.since))
+        .bind(p.fingerprint)
+        .bind(p.namespace)
+        .bind(p.exclude_key)
+        .fetch_optional(&mut *self.0)
+        .await?
+        .as_ref()
+        .map(op_from_row)
+        .transpose()
+    }
+
     async fn update_operation(&mut self, op: &Operation) -> Result<()> {
         sqlx::query(
             "UPDATE operations SET status = $2, attempt_count = $3, first_attempt_at = $4, \
@@ -590,6 +613,10 @@ impl Ledger for SqliteLedger {
 
     async fn apply(&self, command: &Command) -> Result<Operation> {
         in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+    }
+
+    async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)> {
+        in_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
     }
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {

@@ -247,6 +247,20 @@ pub struct ListFilter {
     pub cursor: Option<String>,
 }
 
+/// A request to compensate a completed operation.
+#[derive(Debug, Clone)]
+pub struct CompensationRequest {
+    /// The operation to undo (must be `completed_success`).
+    pub operation_id: Uuid,
+    /// The compensating proposal, prepared by the caller from the tool's
+    /// `[tools.compensation]` (`opgate_core::compensation::proposal`).
+    pub envelope: opgate_core::Envelope,
+    /// Who asked.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+}
+
 /// A page of operations.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page {

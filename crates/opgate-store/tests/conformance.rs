@@ -61,6 +61,10 @@ conformance!(
     reaper_deletes_only_past_retention,
     list_filters_and_paginates,
     recording_keeps_attempt_and_result_details,
+    dedupe_window_suppresses_the_same_action_across_keys,
+    exclusive_group_lets_one_tool_act_per_window,
+    compensation_holds_the_original_until_it_settles,
+    a_failed_compensation_leaves_the_effect_standing,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1077,4 +1081,277 @@ async fn recording_keeps_attempt_and_result_details(h: Harness) {
             Status::CompletedSuccess
         ]
     );
+}
+
+fn dedupe_reason(outcome: &opgate_store::IngestOutcome) -> Option<&str> {
+    match &outcome.decision {
+        IngestDecision::Deduplicated { reason } => Some(reason),
+        _ => None,
+    }
+}
+
+fn notify(event: &str, user: &str, workflow: &str, to: &str) -> opgate_core::IngestItem {
+    item_with(
+        event,
+        "notify",
+        ("user", user),
+        json!({"to": to}),
+        json!({"workflow_id": workflow, "step": 1}),
+    )
+}
+
+async fn dedupe_window_suppresses_the_same_action_across_keys(h: Harness) {
+    let l = h.ledger.as_ref();
+    // Two workflows send the same notification in one batch; a third sends another.
+    let out = l
+        .ingest(&[
+            notify("n1", "u1", "wf-1", "a@example.com"),
+            notify("n2", "u1", "wf-2", " A@Example.com"),
+            notify("n3", "u1", "wf-3", "b@example.com"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(dedupe_reason(&out[1]), Some("window"));
+    let first = out[0].operation.as_ref().expect("op").operation_id;
+    assert_eq!(
+        out[1].operation.as_ref().map(|o| o.operation_id),
+        Some(first)
+    );
+    assert_eq!(out[2].decision, IngestDecision::Accepted, "other args");
+    // In a later batch, from the ledger; the same workflow step is still a key hit.
+    let out = l
+        .ingest(&[
+            notify("n4", "u1", "wf-4", "a@example.com"),
+            notify("n5", "u1", "wf-1", "a@example.com"),
+            notify("n6", "u2", "wf-6", "a@example.com"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(dedupe_reason(&out[0]), Some("window"));
+    assert_eq!(
+        out[0].operation.as_ref().map(|o| o.operation_id),
+        Some(first)
+    );
+    assert_eq!(dedupe_reason(&out[1]), Some("key"));
+    assert_eq!(out[2].decision, IngestDecision::Accepted, "another user");
+    assert_eq!(ops_count(&h).await, 3);
+    // Every dedupe is answered on the results outbox with its reason.
+    assert_eq!(
+        h.count(
+            "SELECT COUNT(*) FROM result_outbox WHERE CAST(payload AS TEXT) LIKE '%\"window\"%'"
+        )
+        .await,
+        2
+    );
+    // Past the window, the same notification acts again.
+    h.exec("UPDATE operations SET created_at = '2000-01-01T00:00:00.000Z'")
+        .await
+        .expect("age the operations");
+    let out = l
+        .ingest(&[notify("n7", "u1", "wf-7", "a@example.com")])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+}
+
+async fn exclusive_group_lets_one_tool_act_per_window(h: Harness) {
+    let l = h.ledger.as_ref();
+    let make_good = |event: &str, tool: &str, account: &str| {
+        item(event, tool, ("account", account), json!({"amount": "25"}))
+    };
+    // A race inside one batch: the refund wins, the credit is suppressed.
+    let out = l
+        .ingest(&[
+            make_good("m1", "refund_acct", "a1"),
+            make_good("m2", "credit_acct", "a1"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(dedupe_reason(&out[1]), Some("exclusive_group"));
+    assert_eq!(
+        out[1].operation.as_ref().map(|o| o.tool.as_str()),
+        Some("refund_acct"),
+        "the answer names the operation that acted"
+    );
+    // Across batches, from the ledger; another account is unaffected.
+    let out = l
+        .ingest(&[
+            make_good("m3", "credit_acct", "a2"),
+            make_good("m4", "credit_acct", "a1"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(dedupe_reason(&out[1]), Some("exclusive_group"));
+    // A cancelled member no longer excludes the others.
+    let credit = out[0].operation.as_ref().expect("op").operation_id;
+    l.apply(&Command {
+        operation_id: credit,
+        event: Event::Cancel,
+        actor: "ops".into(),
+        reason: "agent withdrew it".into(),
+        result: None,
+    })
+    .await
+    .expect("cancel");
+    let out = l
+        .ingest(&[make_good("m5", "refund_acct", "a2")])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(ops_count(&h).await, 3);
+}
+
+/// Charges an order and completes it with a charge id.
+async fn completed_charge(l: &dyn Ledger, event: &str, order: &str) -> opgate_core::Operation {
+    l.ingest(&[item(
+        event,
+        "charge",
+        ("order", order),
+        json!({"amount": 10}),
+    )])
+    .await
+    .expect("ingest");
+    let claim = claim_one(l, "w").await;
+    let mut rec = Recording::new(
+        claim.operation.operation_id,
+        claim.operation.lease_epoch,
+        Event::Succeed,
+        "ok",
+    );
+    rec.result = Some(json!({"charge_id": format!("ch_{order}")}));
+    record_ok(l, rec).await
+}
+
+fn compensation_request(op: &opgate_core::Operation) -> opgate_store::CompensationRequest {
+    let registry = support::registry();
+    let proposal = opgate_core::compensation::proposal(&registry, op, "ops").expect("compensation");
+    let opgate_core::IngestItem::Accepted(envelope) =
+        opgate_core::IngestItem::from_proposal(&registry, &proposal, support::delivery(0))
+    else {
+        panic!("the compensation is a valid proposal")
+    };
+    opgate_store::CompensationRequest {
+        operation_id: op.operation_id,
+        envelope: *envelope,
+        actor: "ops".into(),
+        reason: "order cancelled".into(),
+    }
+}
+
+async fn compensation_holds_the_original_until_it_settles(h: Harness) {
+    let l = h.ledger.as_ref();
+    // Only a completed operation can be compensated.
+    l.ingest(&[item("c0", "charge", ("order", "o0"), json!({"amount": 1}))])
+        .await
+        .expect("ingest");
+    let mut pending = l
+        .list(&ListFilter {
+            entity: Some("order:o0".into()),
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list")
+        .operations
+        .remove(0);
+    pending.result = Some(json!({"charge_id": "none"}));
+    assert!(matches!(
+        l.compensate(&compensation_request(&pending)).await,
+        Err(Error::IllegalTransition { .. })
+    ));
+    l.apply(&Command {
+        operation_id: pending.operation_id,
+        event: Event::Cancel,
+        actor: "ops".into(),
+        reason: "not needed".into(),
+        result: None,
+    })
+    .await
+    .expect("cancel");
+
+    let charged = completed_charge(l, "c1", "o1").await;
+    let request = compensation_request(&charged);
+    let (original, compensation) = l.compensate(&request).await.expect("compensate");
+    assert_eq!(original.status, Status::Compensating);
+    assert_eq!(compensation.status, Status::PendingDispatch);
+    assert_eq!(compensation.tool, "uncharge");
+    assert_eq!(compensation.compensates, Some(charged.operation_id));
+    assert_eq!(compensation.canonical_args, json!({"charge_id": "ch_o1"}));
+    // Asked again: the same compensation.
+    let (_, again) = l.compensate(&request).await.expect("compensate again");
+    assert_eq!(again.operation_id, compensation.operation_id);
+    // The original holds its entity, yet its compensation runs.
+    let claim = claim_one(l, "w").await;
+    assert_eq!(claim.operation.operation_id, compensation.operation_id);
+    record_ok(
+        l,
+        Recording::new(
+            compensation.operation_id,
+            claim.operation.lease_epoch,
+            Event::Succeed,
+            "refunded",
+        ),
+    )
+    .await;
+    let original = l
+        .operation(charged.operation_id)
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(original.status, Status::Compensated);
+    let events = l.events(charged.operation_id).await.expect("events");
+    let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(
+        reasons[reasons.len() - 2..],
+        ["order cancelled", "compensation_succeeded"]
+    );
+    // Both changes of the original reached the results outbox.
+    let id = charged.operation_id;
+    assert_eq!(
+        h.count(&format!(
+            "SELECT COUNT(*) FROM result_outbox WHERE status IN ('compensating', 'compensated') \
+             AND CAST(operation_id AS TEXT) = '{id}'"
+        ))
+        .await,
+        2
+    );
+}
+
+async fn a_failed_compensation_leaves_the_effect_standing(h: Harness) {
+    let l = h.ledger.as_ref();
+    let charged = completed_charge(l, "c1", "o1").await;
+    let request = compensation_request(&charged);
+    let (_, compensation) = l.compensate(&request).await.expect("compensate");
+    let claim = claim_one(l, "w").await;
+    record_ok(
+        l,
+        Recording::new(
+            compensation.operation_id,
+            claim.operation.lease_epoch,
+            Event::FailPermanently,
+            "provider refused the refund",
+        ),
+    )
+    .await;
+    let original = l
+        .operation(charged.operation_id)
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(original.status, Status::CompletedSuccess);
+    // A second request names the failed compensation instead of hiding it.
+    match l.compensate(&request).await {
+        Err(Error::Conflict(message)) => {
+            assert!(message.contains("failed_permanent"), "{message}");
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    // The entity is free again: a new charge on it is claimable.
+    l.ingest(&[item("c2", "charge", ("order", "o1"), json!({"amount": 20}))])
+        .await
+        .expect("ingest");
+    let next = claim_one(l, "w").await;
+    assert_eq!(next.operation.tool, "charge");
 }

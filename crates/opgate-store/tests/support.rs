@@ -50,6 +50,52 @@ currency = "upper"
 name = "refund"
 side_effect_class = "irreversible"
 approval = "required"
+
+# One notification per workflow step; the same one to a user within an hour is suppressed
+# across workflows.
+[[tools]]
+name = "notify"
+side_effect_class = "external_non_idempotent"
+entity = "user"
+key_strategy = "workflow_step"
+dedupe_window = "1h"
+[tools.args]
+to = "email"
+
+# Two ways to make a customer whole; only one per account per hour.
+[[tools]]
+name = "refund_acct"
+side_effect_class = "irreversible"
+entity = "account"
+key = "refund:{entity}:{args.amount}"
+required = ["amount"]
+exclusive_group = { name = "make_good", window = "1h" }
+
+[[tools]]
+name = "credit_acct"
+side_effect_class = "irreversible"
+entity = "account"
+key = "credit:{entity}:{args.amount}"
+required = ["amount"]
+exclusive_group = { name = "make_good", window = "1h" }
+
+# A charge that can be undone.
+[[tools]]
+name = "charge"
+side_effect_class = "irreversible"
+entity = "order"
+key = "charge:{entity}:{args.amount}"
+required = ["amount"]
+[tools.compensation]
+tool = "uncharge"
+args = { charge_id = "{result.charge_id}" }
+
+[[tools]]
+name = "uncharge"
+side_effect_class = "irreversible"
+entity = "order"
+key = "uncharge:{entity}:{args.charge_id}"
+required = ["charge_id"]
 "#;
 
 /// A ledger under test plus raw SQL access to its database, for schema-level checks.

@@ -42,6 +42,8 @@ pub struct WorkerConfig {
     pub concurrency: Option<usize>,
     /// Calls in flight per tool (default 16).
     pub per_tool: Option<usize>,
+    /// Longest pause between two lookups of one unknown outcome (default 30000).
+    pub reconcile_max_backoff_ms: Option<u64>,
 }
 
 /// One `[[api.tokens]]` entry.

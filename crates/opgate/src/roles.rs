@@ -1,0 +1,226 @@
+//! Starting opgate's roles in this process: `opgate run` and `opgate dev` both come here.
+//!
+//! A proposal's path through the roles: `ingest` (opgate-kafka's IngestWorker) writes it
+//! to the ledger; `dispatch` (opgate-worker's Dispatcher) claims and sends it through the
+//! tool's adapter; `reconcile` (Reconciler) settles unknown outcomes; `relay`
+//! (ResultsRelay) publishes every state change to `opgate.results`; `api` (opgate-api)
+//! lets people and HTTP agents inspect and act.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::config::Config;
+
+/// The role names `--roles` accepts.
+pub const ROLES: [&str; 5] = ["ingest", "relay", "dispatch", "reconcile", "api"];
+
+/// Looks up `${NAME}` references in tool adapters (the environment, or `opgate dev`'s
+/// overlay that points `OPGATE_SIM_URL` at the embedded providers).
+pub type EnvLookup = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
+/// The process environment as an [`EnvLookup`].
+pub fn process_env() -> EnvLookup {
+    Arc::new(|name| std::env::var(name).ok())
+}
+
+/// Roles running in this process.
+pub struct Running {
+    cancel: CancellationToken,
+    tasks: JoinSet<anyhow::Result<()>>,
+    /// Where the admin API listens, when the `api` role runs.
+    pub api_addr: Option<SocketAddr>,
+    /// The ledger the roles share.
+    pub ledger: opgate_store::SharedLedger,
+}
+
+/// Checks role names before anything starts.
+pub fn validate(roles: &[String]) -> anyhow::Result<()> {
+    for role in roles {
+        if !ROLES.contains(&role.as_str()) {
+            bail!("unknown role `{role}` (roles: {})", ROLES.join(", "));
+        }
+    }
+    Ok(())
+}
+
+/// Starts the chosen roles over the config's ledger and broker.
+pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow::Result<Running> {
+    validate(roles)?;
+    let has = |r: &str| roles.iter().any(|x| x == r);
+    let ledger = opgate_store::open(&config.database_url()?).await?;
+    let registry = Arc::new(config.registry.clone());
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    let owner = format!("{}-{}", hostname(), std::process::id());
+    if has("ingest") {
+        let worker = opgate_kafka::IngestWorker::new(
+            config.kafka()?,
+            ledger.clone(),
+            registry.clone(),
+            config.limits,
+        )?;
+        let token = cancel.child_token();
+        tasks.spawn(async move { Ok(worker.run(token).await?) });
+    }
+    if has("relay") {
+        let relay = opgate_kafka::ResultsRelay::new(
+            config.kafka()?,
+            ledger.clone(),
+            owner.clone(),
+            500,
+            Duration::from_secs(30),
+        )?;
+        let token = cancel.child_token();
+        tasks.spawn(async move { Ok(relay.run(token).await?) });
+    }
+    if has("dispatch") || has("reconcile") {
+        let adapters = opgate_worker::Adapters::from_registry(&registry, |n| env(n))?;
+        let w = config.worker;
+        let lease = Duration::from_millis(w.lease_ms.unwrap_or(60_000));
+        if has("dispatch") {
+            let defaults = opgate_worker::DispatcherConfig::default();
+            let dispatcher = opgate_worker::Dispatcher::new(
+                ledger.clone(),
+                registry.clone(),
+                adapters.clone(),
+                opgate_worker::DispatcherConfig {
+                    owner: format!("{owner}/dispatch"),
+                    lease,
+                    batch: w.batch.unwrap_or(defaults.batch),
+                    concurrency: w.concurrency.unwrap_or(defaults.concurrency),
+                    per_tool: w.per_tool.unwrap_or(defaults.per_tool),
+                    // Test crash point (see crates/opgate/tests/crash.rs).
+                    crash_after_claim: std::env::var("OPGATE_CRASH_AT").as_deref()
+                        == Ok("after_claim"),
+                    ..defaults
+                },
+            )?;
+            let token = cancel.child_token();
+            tasks.spawn(async move {
+                dispatcher.run(token).await;
+                Ok(())
+            });
+        }
+        if has("reconcile") {
+            let defaults = opgate_worker::ReconcilerConfig::default();
+            let reconciler = opgate_worker::Reconciler::new(
+                ledger.clone(),
+                registry.clone(),
+                adapters,
+                opgate_worker::ReconcilerConfig {
+                    owner: format!("{owner}/reconcile"),
+                    lease,
+                    max_backoff: w
+                        .reconcile_max_backoff_ms
+                        .map_or(defaults.max_backoff, Duration::from_millis),
+                    ..defaults
+                },
+            );
+            let token = cancel.child_token();
+            tasks.spawn(async move {
+                reconciler.run(token).await;
+                Ok(())
+            });
+        }
+    }
+    let mut api_addr = None;
+    if has("api") {
+        let api = config
+            .api
+            .as_ref()
+            .context("the api role needs an [api] table with [[api.tokens]]")?;
+        let tokens = api.tokens()?;
+        anyhow::ensure!(
+            !tokens.is_empty(),
+            "the api role needs at least one [[api.tokens]]"
+        );
+        let state =
+            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
+        let (addr, server) = opgate_api::serve(api.listen, state)
+            .await
+            .with_context(|| format!("api.listen {}", api.listen))?;
+        info!(%addr, "admin API listening");
+        api_addr = Some(addr);
+        let token = cancel.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = server => {}
+                () = token.cancelled() => {}
+            }
+            Ok(())
+        });
+    }
+    info!(roles = %roles.join(","), "opgate running");
+    Ok(Running {
+        cancel,
+        tasks,
+        api_addr,
+        ledger,
+    })
+}
+
+impl Running {
+    /// Runs until SIGTERM or Ctrl-C (or until a role fails), then shuts down.
+    pub async fn until_signal(mut self) -> anyhow::Result<()> {
+        tokio::select! {
+            () = shutdown_signal() => info!("shutting down"),
+            Some(done) = self.tasks.join_next() => {
+                self.cancel.cancel();
+                done??;
+                bail!("a role stopped on its own");
+            }
+        }
+        self.shutdown().await
+    }
+
+    /// Drains: the ingest worker finishes or abandons its batch, commits offsets and
+    /// leaves the group; dispatchers let calls in flight finish and record them; the relay
+    /// finishes its round.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        self.cancel.cancel();
+        while let Some(done) = self.tasks.join_next().await {
+            done??;
+        }
+        Ok(())
+    }
+
+    /// Fails if a role has already stopped with an error (checked between demo phases).
+    pub fn check(&mut self) -> anyhow::Result<()> {
+        if let Some(done) = self.tasks.try_join_next() {
+            done??;
+            bail!("a role stopped on its own");
+        }
+        Ok(())
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME").unwrap_or_else(|_| "opgate".to_owned())
+}

@@ -1,0 +1,320 @@
+//! `opgate dev` as a real process (no services: embedded broker, SQLite, simulated
+//! providers).
+//!
+//! 1. `opgate dev --demo --ops 2000 --seed 7` runs the scripted incidents and the load
+//!    run and exits 0; its table shows every proposal answered, every incident as
+//!    expected, and zero duplicate effects.
+//! 2. `opgate dev` with `--ready-file`, driven by the CLI (`opgate propose`, `opgate ops
+//!    list|show|events|compensate`) and by a Kafka producer: a proposal sent over HTTP
+//!    and again over Kafka is one operation; a viewer token cannot propose; SIGTERM ends
+//!    the process with status 0.
+
+#![allow(missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::Message as _;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("opgate-{name}-{}", Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+/// The number in the table row that starts with `label`.
+fn row(table: &str, label: &str) -> u64 {
+    let line = table
+        .lines()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("no row `{label}` in:\n{table}"));
+    line.split_whitespace()
+        .last()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("row `{label}` has no number: {line}"))
+}
+
+#[test]
+fn the_demo_answers_every_proposal_with_no_duplicate_effect() {
+    let dir = temp_dir("demo");
+    let ready = dir.join("ready.json");
+    let output = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(["dev", "--demo", "--ops", "2000", "--seed", "7"])
+        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+        .arg("--ledger")
+        .arg(dir.join("demo.db"))
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run opgate dev --demo");
+    let table = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "opgate dev --demo failed: {}\n{table}\n{stderr}",
+        output.status
+    );
+
+    // Every scripted incident held, and there are seven of them.
+    let incidents: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("  ok ") || l.starts_with("  FAIL "))
+        .collect();
+    assert_eq!(incidents.len(), 7, "{table}");
+    assert!(incidents.iter().all(|l| l.starts_with("  ok ")), "{table}");
+
+    assert_eq!(row(&table, "duplicate effects"), 0, "{table}");
+    assert_eq!(row(&table, "overlapping writes"), 0, "{table}");
+    assert_eq!(row(&table, "unsettled operations"), 0, "{table}");
+    let distinct = row(&table, "distinct events");
+    assert!(distinct > 1_500, "{table}");
+    assert_eq!(
+        row(&table, "answered on opgate.results"),
+        distinct,
+        "{table}"
+    );
+    // 2,000 load proposals plus the incidents' records.
+    assert!(row(&table, "proposals published") >= 2_000, "{table}");
+    // The load run's duplicates were suppressed by the inbox and the key, the re-run
+    // email by the window, the race by the exclusive group.
+    for reason in [
+        "deduplicated: inbox",
+        "deduplicated: key",
+        "deduplicated: window",
+        "deduplicated: exclusive_group",
+    ] {
+        assert!(row(&table, reason) > 0, "{reason}: {table}");
+    }
+    // Every operation the providers saw produced exactly one effect, except the one
+    // whose provider refused it (the failed last step) — the refund is an effect too.
+    let operations = row(&table, "operations in the ledger");
+    assert_eq!(
+        row(&table, "effects seen by the providers"),
+        operations - 1,
+        "{table}"
+    );
+    assert!(table.contains("all proposals answered, 0 duplicate effects"));
+
+    let ready: Value =
+        serde_json::from_slice(&std::fs::read(&ready).expect("ready file")).expect("json");
+    for field in ["kafka", "api", "sim", "ledger"] {
+        assert!(ready[field].is_string(), "{field}: {ready}");
+    }
+    assert!(ready["tokens"]["viewer"].is_string() && ready["tokens"]["operator"].is_string());
+}
+
+/// Runs the CLI against a dev instance.
+fn cli(api: &str, token: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(args)
+        .env("OPGATE_API_URL", api)
+        .env("OPGATE_TOKEN", token)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the opgate CLI")
+}
+
+fn json_of(output: &Output) -> Value {
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("--json output is JSON")
+}
+
+fn wait_for(path: &Path) -> Value {
+    let started = Instant::now();
+    loop {
+        if let Ok(bytes) = std::fs::read(path) {
+            return serde_json::from_slice(&bytes).expect("ready file is JSON");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "opgate dev never wrote its ready file"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
+    let dir = temp_dir("dev");
+    let ready_file = dir.join("ready.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(["dev", "--fresh"])
+        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+        .arg("--ledger")
+        .arg(dir.join("dev.db"))
+        .arg("--ready-file")
+        .arg(&ready_file)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn opgate dev");
+    let ready = wait_for(&ready_file);
+    let api = ready["api"].as_str().expect("api").to_owned();
+    let operator = ready["tokens"]["operator"].as_str().expect("operator");
+    let viewer = ready["tokens"]["viewer"].as_str().expect("viewer");
+
+    // Over HTTP, through the CLI, waiting for the result.
+    let answer = json_of(&cli(
+        &api,
+        operator,
+        &[
+            "propose",
+            "--tool",
+            "capture_payment",
+            "--entity",
+            "order:order_77",
+            "--args",
+            r#"{"amount": "12.00", "currency": "usd"}"#,
+            "--event-id",
+            "evt-http-1",
+            "--wait",
+            "20s",
+            "--json",
+        ],
+    ));
+    assert_eq!(answer["decision"], "accepted", "{answer}");
+    let op = &answer["operation"];
+    assert_eq!(op["status"], "completed_success", "{answer}");
+    let id = op["operation_id"].as_str().expect("id").to_owned();
+
+    // The same proposal over Kafka, spelled differently, under a new event id.
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", ready["kafka"].as_str().expect("kafka"))
+        .create()
+        .expect("producer");
+    let payload = json!({"event_id": "evt-kafka-1", "tool": "capture_payment",
+        "entity": {"type": "order", "id": "order_77"}, "args": {"amount": 12, "currency": " USD"}})
+    .to_string();
+    producer
+        .send(
+            FutureRecord::to("opgate.proposals")
+                .key("order:order_77")
+                .payload(&payload),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("produce");
+    // Its answer on opgate.results: a key dedupe of the same operation.
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", ready["kafka"].as_str().expect("kafka"))
+        .set("group.id", "dev-test-results")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&["opgate.results"]).expect("subscribe");
+    let answer = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let message = consumer.recv().await.expect("results");
+            let value: Value =
+                serde_json::from_slice(message.payload().unwrap_or_default()).expect("json");
+            if value["event_id"] == "evt-kafka-1" {
+                return value;
+            }
+        }
+    })
+    .await
+    .expect("the Kafka proposal is answered on opgate.results");
+    assert_eq!(answer["operation_id"], id.as_str(), "{answer}");
+    assert_eq!(answer["dedupe"]["hit"], true, "{answer}");
+    assert_eq!(answer["dedupe"]["reason"], "key", "{answer}");
+    let list = json_of(&cli(
+        &api,
+        viewer,
+        &["ops", "list", "--entity", "order:order_77", "--json"],
+    ));
+    let ops = list["operations"].as_array().expect("operations");
+    assert_eq!(ops.len(), 1, "one operation for both channels: {list}");
+    assert_eq!(ops[0]["attempt_count"], 1, "dispatched once: {list}");
+    let events = json_of(&cli(&api, viewer, &["ops", "events", &id, "--json"]));
+    assert!(
+        events["events"].as_array().expect("events").len() >= 3,
+        "{events}"
+    );
+
+    // A viewer may read but not propose.
+    let denied = cli(
+        &api,
+        viewer,
+        &[
+            "propose",
+            "--tool",
+            "capture_payment",
+            "--entity",
+            "order:order_78",
+            "--args",
+            r#"{"amount": "1.00", "currency": "usd"}"#,
+        ],
+    );
+    assert!(!denied.status.success());
+    assert!(
+        String::from_utf8_lossy(&denied.stderr).contains("403"),
+        "{}",
+        String::from_utf8_lossy(&denied.stderr)
+    );
+
+    // The readable table names the operation.
+    let table = cli(&api, viewer, &["ops", "list"]);
+    assert!(table.status.success());
+    assert!(String::from_utf8_lossy(&table.stdout).contains(&id));
+
+    // Compensate the payment: a refund operation, then `compensated`.
+    let comp = json_of(&cli(
+        &api,
+        operator,
+        &[
+            "ops",
+            "compensate",
+            &id,
+            "--reason",
+            "order cancelled",
+            "--json",
+        ],
+    ));
+    assert_eq!(comp["operation"]["status"], "compensating", "{comp}");
+    assert_eq!(comp["compensation"]["tool"], "refund_payment", "{comp}");
+    assert_eq!(comp["compensation"]["compensates"], id.as_str(), "{comp}");
+    let settled = json_of(&cli(
+        &api,
+        viewer,
+        &["ops", "show", &id, "--wait", "20s", "--json"],
+    ));
+    assert_eq!(settled["status"], "compensated", "{settled}");
+
+    // Close this test's Kafka clients while the broker still answers (a consumer closing
+    // against a vanished broker waits out its session timeout).
+    drop(consumer);
+    drop(producer);
+
+    // SIGTERM: drain and exit 0.
+    let pid = child.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "opgate dev did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "{status}");
+}
