@@ -6,7 +6,9 @@
 //!   cancel|resolve|compensate}` and `POST /v1/proposals` (HTTP ingress for agents without a Kafka
 //!   client; the same JSON as the topic, the same ledger path, so a proposal sent both ways
 //!   is one operation);
-//! - no token: `/healthz` (alive) and `/readyz` (ledger reachable, schema current).
+//! - viewer: also `GET /metrics` (Prometheus text; scrape with a viewer token);
+//! - no token: `/healthz` (alive) and `/readyz` (ledger reachable, schema current, and
+//!   every added check — the broker in `opgate run` and `opgate dev` — answering).
 //!
 //! Errors are JSON `{"error": {"code", "message"}}`: 400 names the field at fault, 401/403
 //! for tokens and roles, 404, 409 for a transition the state machine refuses. Tokens are
@@ -52,6 +54,11 @@ pub struct Token {
     pub role: Role,
 }
 
+/// A dependency `/readyz` checks besides the ledger (the Kafka broker): `Ok` or why not.
+pub type ReadinessCheck = Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync,
+>;
+
 /// What the handlers share.
 #[derive(Clone)]
 pub struct ApiState {
@@ -59,6 +66,7 @@ pub struct ApiState {
     registry: Arc<Registry>,
     limits: Limits,
     tokens: Arc<Vec<([u8; 32], String, Role)>>,
+    checks: Vec<(&'static str, ReadinessCheck)>,
 }
 
 impl ApiState {
@@ -78,7 +86,14 @@ impl ApiState {
             registry,
             limits,
             tokens: Arc::new(tokens),
+            checks: Vec::new(),
         }
+    }
+
+    /// Adds a dependency `/readyz` checks, reported under `name` (e.g. `broker`).
+    pub fn with_check(mut self, name: &'static str, check: ReadinessCheck) -> Self {
+        self.checks.push((name, check));
+        self
     }
 }
 
@@ -208,6 +223,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/operations/{id}/events", get(get_events))
         .route("/v1/operations/{id}/{action}", post(act))
         .route("/v1/proposals", post(propose))
+        .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -259,27 +275,79 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
 }
 
 async fn ready(State(state): State<ApiState>) -> Response {
+    let mut body = serde_json::Map::new();
+    let mut failure = None;
     match state.ledger.schema_status().await {
-        Ok(s) if s.is_current() => (
-            StatusCode::OK,
-            Json(json!({"ledger": "ok", "schema_version": s.found})),
-        )
-            .into_response(),
-        Ok(s) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "schema_mismatch",
-            format!(
+        Ok(s) if s.is_current() => {
+            body.insert("ledger".into(), json!("ok"));
+            body.insert("schema_version".into(), json!(s.found));
+        }
+        Ok(s) => {
+            let message = format!(
                 "schema version {} but this build needs {}",
                 s.found, s.known
-            ),
-        )
-        .into_response(),
-        Err(e) => ApiError::new(
+            );
+            body.insert("ledger".into(), json!(message));
+            failure.get_or_insert(("schema_mismatch", message));
+        }
+        Err(e) => {
+            body.insert("ledger".into(), json!(e.to_string()));
+            failure.get_or_insert(("ledger_unavailable", e.to_string()));
+        }
+    }
+    for (name, check) in &state.checks {
+        match check().await {
+            Ok(()) => {
+                body.insert((*name).into(), json!("ok"));
+            }
+            Err(e) => {
+                body.insert((*name).into(), json!(e));
+                failure.get_or_insert(("dependency_unavailable", format!("{name}: {e}")));
+            }
+        }
+    }
+    match failure {
+        None => (StatusCode::OK, Json(Value::Object(body))).into_response(),
+        Some((code, message)) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "ledger_unavailable",
-            e.to_string(),
+            Json(json!({"error": {"code": code, "message": message}, "checks": body})),
         )
-        .into_response(),
+            .into_response(),
+    }
+}
+
+/// `GET /metrics` (viewer): this process's counters and the ledger's gauges, in the
+/// Prometheus text format.
+async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let stats = state.ledger.stats().await?;
+    let gauges = ledger_gauges(&stats);
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        opgate_metrics::metrics().render(Some(&gauges)),
+    )
+        .into_response())
+}
+
+/// The ledger's shape as the metrics crate's gauges.
+pub fn ledger_gauges(stats: &opgate_store::LedgerStats) -> opgate_metrics::LedgerGauges {
+    let age = |at: time::OffsetDateTime| (stats.now - at).as_seconds_f64().max(0.0);
+    opgate_metrics::LedgerGauges {
+        live: stats
+            .live
+            .iter()
+            .map(|l| {
+                (
+                    l.tool.clone(),
+                    l.class.clone(),
+                    l.status.clone(),
+                    l.count,
+                    age(l.oldest_change),
+                )
+            })
+            .collect(),
+        queue: stats.queue.clone(),
+        relay_pending: stats.relay_pending,
+        relay_lag_seconds: stats.relay_oldest.map_or(0.0, age),
     }
 }
 
@@ -511,6 +579,10 @@ async fn compensate(
             reason: body.reason.unwrap_or_else(|| "compensate".into()),
         })
         .await?;
+    opgate_metrics::metrics()
+        .compensations
+        .with_label_values(&[original.tool.as_str()])
+        .inc();
     Ok(Json(json!({
         "operation": operation_json(&original),
         "compensation": operation_json(&compensation),
@@ -548,6 +620,11 @@ async fn propose(
             "no ingest outcome",
         )
     })?;
+    opgate_metrics::metrics().ingested(
+        outcome.decision.as_str(),
+        outcome.decision.reason(),
+        outcome.inbox_hit,
+    );
     let status = match outcome.decision {
         IngestDecision::Rejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         IngestDecision::Accepted if !outcome.inbox_hit => StatusCode::CREATED,

@@ -36,6 +36,10 @@ struct Api {
 }
 
 async fn api() -> Api {
+    api_with(|state| state).await
+}
+
+async fn api_with(configure: impl FnOnce(ApiState) -> ApiState) -> Api {
     let db = opgate_testkit::TestLedger::new().await;
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
     let tokens = vec![
@@ -50,7 +54,12 @@ async fn api() -> Api {
             role: Role::Operator,
         },
     ];
-    let state = ApiState::new(db.ledger.clone(), registry, Limits::default(), tokens);
+    let state = configure(ApiState::new(
+        db.ledger.clone(),
+        registry,
+        Limits::default(),
+        tokens,
+    ));
     let (addr, _server) = opgate_api::serve("127.0.0.1:0".parse().expect("addr"), state)
         .await
         .expect("serve");
@@ -129,6 +138,30 @@ async fn tokens_and_roles_are_enforced() {
     );
     let (s, body) = a.call("GET", "/readyz", None, None).await;
     assert_eq!((s, body["ledger"].clone()), (StatusCode::OK, json!("ok")));
+}
+
+#[tokio::test]
+async fn readyz_reports_every_dependency_and_fails_when_one_is_down() {
+    let a = api_with(|state| {
+        state
+            .with_check("broker", Arc::new(|| Box::pin(async { Ok(()) })))
+            .with_check(
+                "search",
+                Arc::new(|| Box::pin(async { Err("connection refused".to_owned()) })),
+            )
+    })
+    .await;
+    let (s, body) = a.call("GET", "/readyz", None, None).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "dependency_unavailable");
+    assert_eq!(body["checks"]["ledger"], "ok");
+    assert_eq!(body["checks"]["broker"], "ok");
+    assert_eq!(body["checks"]["search"], "connection refused");
+    let ok =
+        api_with(|state| state.with_check("broker", Arc::new(|| Box::pin(async { Ok(()) })))).await;
+    let (s, body) = ok.call("GET", "/readyz", None, None).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    assert_eq!(body["broker"], "ok");
 }
 
 #[tokio::test]

@@ -74,7 +74,22 @@ impl IngestStats {
 /// The consumer context: commits stored offsets before partitions are revoked.
 pub struct IngestContext;
 
-impl ClientContext for IngestContext {}
+impl ClientContext for IngestContext {
+    /// librdkafka's statistics (every `statistics.interval.ms`): the consumer lag of
+    /// each assigned partition becomes `opgate_consumer_lag`.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let lag = &opgate_metrics::metrics().consumer_lag;
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                // -1 is librdkafka's "not known" (e.g. the partition is not assigned).
+                if *partition >= 0 && p.consumer_lag >= 0 {
+                    lag.with_label_values(&[topic.as_str(), &partition.to_string()])
+                        .set(p.consumer_lag);
+                }
+            }
+        }
+    }
+}
 
 impl ConsumerContext for IngestContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -163,6 +178,10 @@ impl IngestWorker {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false");
+        if consumer_config.get("statistics.interval.ms").is_none() {
+            // Feeds opgate_consumer_lag; `[kafka.client]` may set another interval.
+            consumer_config.set("statistics.interval.ms", "5000");
+        }
         let consumer: StreamConsumer<IngestContext> =
             consumer_config.create_with_context(IngestContext)?;
         Ok(Self {
@@ -388,6 +407,11 @@ impl Shared {
                 (IngestDecision::Rejected { .. }, false) => &self.stats.rejected,
             };
             IngestStats::add(counter, 1);
+            opgate_metrics::metrics().ingested(
+                outcome.decision.as_str(),
+                outcome.decision.reason(),
+                outcome.inbox_hit,
+            );
         }
         Ok(())
     }
@@ -511,6 +535,10 @@ impl Shared {
             .map_err(|(e, _)| Error::Kafka(e))?;
         warn!(reason = letter.reason, partition = record.partition, offset = record.offset,
             message = %letter.message, "proposal dead-lettered");
+        opgate_metrics::metrics()
+            .dlq
+            .with_label_values(&[letter.reason])
+            .inc();
         Ok(())
     }
 }

@@ -10,16 +10,19 @@
 //! - [`topics`]: topic specs as code and `opgate topics create`.
 //! - [`embedded::EmbeddedBroker`]: librdkafka's mock cluster for `opgate dev` and tests.
 //! - [`config::KafkaConfig`]: `[kafka]`, with librdkafka properties passed through.
+//! - [`probe::BrokerProbe`]: the broker check behind `/readyz`.
 
 pub mod config;
 pub mod embedded;
 pub mod ingest;
+pub mod probe;
 pub mod relay;
 pub mod topics;
 
 pub use config::KafkaConfig;
 pub use embedded::EmbeddedBroker;
 pub use ingest::{IngestStats, IngestWorker};
+pub use probe::BrokerProbe;
 pub use relay::ResultsRelay;
 
 /// Errors of the Kafka path.

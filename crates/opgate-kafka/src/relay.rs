@@ -97,6 +97,9 @@ impl ResultsRelay {
         }
         let acked = self.publish(&rows).await;
         self.ledger.mark_published(&acked).await?;
+        opgate_metrics::metrics()
+            .results_published
+            .inc_by(acked.len() as u64);
         debug!(
             published = acked.len(),
             leased = rows.len(),

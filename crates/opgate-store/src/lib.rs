@@ -90,6 +90,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// retention. Operations, events and attempts are the ledger of truth and are kept.
     async fn reap(&self, retention: std::time::Duration) -> Result<ReapStats>;
 
+    /// Live operations, queue depth and relay backlog, for gauges.
+    async fn stats(&self) -> Result<LedgerStats>;
+
     /// Whether the schema is the one this build knows.
     async fn schema_status(&self) -> Result<SchemaStatus>;
 }

@@ -777,6 +777,46 @@ impl Ledger for PgLedger {
         })
     }
 
+    async fn stats(&self) -> Result<LedgerStats> {
+        let live = sqlx::query(&format!(
+            "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(updated_at) AS oldest \
+             FROM operations WHERE status NOT IN ({TERMINAL_SQL}) GROUP BY 1, 2, 3"
+        ))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(LiveCount {
+                tool: r.try_get("tool")?,
+                class: r.try_get("side_effect_class")?,
+                status: r.try_get("status")?,
+                count: r.try_get("n")?,
+                oldest_change: r.try_get("oldest")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+        let queue = sqlx::query_as::<_, (String, i64)>(
+            "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let (relay_pending, relay_oldest, now) = sqlx::query_as::<
+            _,
+            (i64, Option<OffsetDateTime>, OffsetDateTime),
+        >(
+            "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(LedgerStats {
+            live,
+            queue,
+            relay_pending,
+            relay_oldest,
+            now,
+        })
+    }
+
     async fn schema_status(&self) -> Result<SchemaStatus> {
         let found: Option<i64> = match sqlx::query_scalar(schema::APPLIED_VERSION)
             .fetch_one(&self.pool)

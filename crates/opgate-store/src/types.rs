@@ -261,6 +261,39 @@ pub struct CompensationRequest {
     pub reason: String,
 }
 
+/// The ledger's current shape, for gauges: read when metrics are scraped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LedgerStats {
+    /// Live (non-terminal) operations per (tool, class, status).
+    pub live: Vec<LiveCount>,
+    /// Dispatch-queue rows per queue state, without finished rows.
+    pub queue: Vec<(String, i64)>,
+    /// Result rows not yet published.
+    pub relay_pending: i64,
+    /// When the oldest unpublished result was written.
+    pub relay_oldest: Option<OffsetDateTime>,
+    /// The database clock when this was read.
+    pub now: OffsetDateTime,
+}
+
+/// Live operations of one tool in one state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveCount {
+    /// Tool.
+    pub tool: String,
+    /// Side-effect class.
+    pub class: String,
+    /// State.
+    pub status: String,
+    /// How many.
+    pub count: i64,
+    /// The oldest last change among them.
+    pub oldest_change: OffsetDateTime,
+}
+
+/// The terminal states as an SQL list (live operations are the others).
+pub(crate) const TERMINAL_SQL: &str = "'completed_success', 'completed_noop', 'failed_permanent', 'rejected', 'cancelled', 'compensated'";
+
 /// A page of operations.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page {

@@ -263,6 +263,21 @@ impl Dispatcher {
             .await;
         let recording = self.decide(tool, &claim, &report);
         let transition = recording.event;
+        let m = opgate_metrics::metrics();
+        m.attempts
+            .with_label_values(&[op.tool.as_str(), outcome_label(&report.outcome)])
+            .inc();
+        m.attempt_seconds
+            .with_label_values(&[op.tool.as_str()])
+            .observe(report.latency.as_secs_f64());
+        if transition == Event::OutcomeUnknown {
+            m.unknown_outcomes
+                .with_label_values(&[
+                    op.tool.as_str(),
+                    report.outcome.error_category().unwrap_or("unknown"),
+                ])
+                .inc();
+        }
         match self.record(recording).await {
             Some(after) => log_attempt(op, attempt_id, tool, &report, transition, Some(&after)),
             None => log_attempt(op, attempt_id, tool, &report, transition, None),

@@ -248,6 +248,15 @@ impl Reconciler {
         };
         let event = recording.event;
         let reason = recording.reason.clone();
+        let m = opgate_metrics::metrics();
+        m.reconciliations
+            .with_label_values(&[op.tool.as_str(), reason.as_str()])
+            .inc();
+        if !matches!(event, Event::StillUnknown) {
+            m.reconciliation_lag
+                .with_label_values(&[op.tool.as_str()])
+                .observe(waited.as_secs_f64());
+        }
         match self.ledger.record(&[recording]).await {
             Ok(mut results) => match results.pop() {
                 Some(Ok(after)) => info!(

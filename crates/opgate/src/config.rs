@@ -1,7 +1,11 @@
-//! The config file (`opgate.toml`): `[database]`, `[kafka]`, `[limits]`, `[[tools]]`,
-//! `[[agents]]`. Unknown top-level tables are refused so a typo is an error that names
-//! the key. `${NAME}` references are expanded from the environment where a value is used
-//! (database URL, Kafka properties), never written back or logged.
+//! The config file (`opgate.toml`): `[database]`, `[kafka]`, `[limits]`, `[worker]`,
+//! `[api]`, `[[tools]]`, `[[agents]]`. Unknown keys are refused so a typo is an error that
+//! names the key. `${NAME}` references are expanded from the environment where a value is
+//! used (database URL, Kafka properties, token secrets), never written back or logged.
+//!
+//! Layers, later ones winning: the file, then `OPGATE_<KEY>` environment variables for
+//! the keys in [`ENV_KEYS`] (`worker.lease_ms` is `OPGATE_WORKER_LEASE_MS`), then
+//! `--set key=value` flags for any key outside the `[[tools]]`/`[[agents]]` arrays.
 
 use std::path::Path;
 
@@ -139,12 +143,65 @@ pub struct Config {
     pub registry: Registry,
 }
 
+/// The keys the environment may set, as `OPGATE_` + the key upper-cased with `.` as `_`.
+pub const ENV_KEYS: &[&str] = &[
+    "database.url",
+    "kafka.brokers",
+    "kafka.group_id",
+    "kafka.topic_prefix",
+    "kafka.replication_factor",
+    "kafka.batch.max_messages",
+    "kafka.batch.max_wait_ms",
+    "api.listen",
+    "worker.lease_ms",
+    "worker.batch",
+    "worker.concurrency",
+    "worker.per_tool",
+    "worker.reconcile_max_backoff_ms",
+    "limits.max_message_bytes",
+    "limits.max_args_bytes",
+    "limits.max_args_depth",
+];
+
+/// The environment variable for a key.
+pub fn env_name(key: &str) -> String {
+    format!("OPGATE_{}", key.to_uppercase().replace('.', "_"))
+}
+
 impl Config {
-    /// Reads and validates a config file.
-    pub fn load(path: &Path) -> anyhow::Result<Self> {
+    /// Reads a config file and layers the environment (`env`, see [`ENV_KEYS`]) and
+    /// `--set key=value` flags over it, then validates the result. Errors name the key
+    /// and where its value came from.
+    pub fn load_layered(
+        path: &Path,
+        env: impl Fn(&str) -> Option<String>,
+        sets: &[String],
+    ) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("in {}", path.display()))
+        let mut doc: toml::Table = toml::from_str(&text)
+            .map_err(anyhow::Error::from)
+            .with_context(|| format!("in {}", path.display()))?;
+        let mut sources = Vec::new();
+        for key in ENV_KEYS {
+            let name = env_name(key);
+            if let Some(value) = env(&name) {
+                set_key(&mut doc, key, &value).with_context(|| format!("{name} ({key})"))?;
+                sources.push(name);
+            }
+        }
+        for set in sets {
+            let (key, value) = set
+                .split_once('=')
+                .with_context(|| format!("--set {set}: expected key=value"))?;
+            set_key(&mut doc, key.trim(), value).with_context(|| format!("--set {set}"))?;
+            sources.push(format!("--set {}", key.trim()));
+        }
+        let layered = toml::to_string(&doc)?;
+        Self::parse(&layered).with_context(|| match sources.is_empty() {
+            true => format!("in {}", path.display()),
+            false => format!("in {} with {}", path.display(), sources.join(", ")),
+        })
     }
 
     /// Parses and validates config text.
@@ -184,6 +241,38 @@ impl Config {
     }
 }
 
+/// Sets `a.b.c` in a TOML document, creating tables on the way. The value's type is
+/// read from its spelling: an integer, `true`/`false`, or else a string.
+fn set_key(doc: &mut toml::Table, key: &str, raw: &str) -> anyhow::Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    anyhow::ensure!(
+        !parts.iter().any(|p| p.is_empty()),
+        "`{key}` is not a key (a.b.c)"
+    );
+    let (last, tables) = parts.split_last().context("empty key")?;
+    let mut table = doc;
+    for (i, part) in tables.iter().enumerate() {
+        let entry = table
+            .entry((*part).to_owned())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry.as_table_mut().with_context(|| {
+            format!(
+                "`{}` is not a table (tools and agents are set in the file only)",
+                parts[..=i].join(".")
+            )
+        })?;
+    }
+    let value = if let Ok(n) = raw.parse::<i64>() {
+        toml::Value::Integer(n)
+    } else if let Ok(b) = raw.parse::<bool>() {
+        toml::Value::Boolean(b)
+    } else {
+        toml::Value::String(raw.to_owned())
+    };
+    table.insert((*last).to_owned(), value);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,5 +300,92 @@ mod tests {
             format!("{err:#}").contains("tool `t`: field `args.a`"),
             "{err:#}"
         );
+    }
+
+    fn file(text: &str) -> tempfile_path::Path {
+        tempfile_path::Path::with(text)
+    }
+
+    /// A config file in the temp dir, removed on drop.
+    mod tempfile_path {
+        pub struct Path(pub std::path::PathBuf);
+        impl Path {
+            pub fn with(text: &str) -> Self {
+                let path = std::env::temp_dir()
+                    .join(format!("opgate-config-{}.toml", uuid::Uuid::now_v7()));
+                std::fs::write(&path, text).expect("write config");
+                Self(path)
+            }
+        }
+        impl Drop for Path {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn environment_and_flags_layer_over_the_file() {
+        let f =
+            file("[database]\nurl = \"sqlite://file.db\"\n[worker]\nlease_ms = 9000\nbatch = 4\n");
+        let env = |name: &str| match name {
+            "OPGATE_DATABASE_URL" => Some("postgres://db/opgate".to_owned()),
+            "OPGATE_WORKER_LEASE_MS" => Some("7000".to_owned()),
+            "OPGATE_KAFKA_BROKERS" => Some("k1:9092,k2:9092".to_owned()),
+            _ => None,
+        };
+        let config = Config::load_layered(
+            &f.0,
+            env,
+            &[
+                "worker.lease_ms=5000".into(),
+                "api.listen=0.0.0.0:9000".into(),
+            ],
+        )
+        .expect("layered config");
+        assert_eq!(config.database_url().expect("url"), "postgres://db/opgate");
+        assert_eq!(
+            config.worker.lease_ms,
+            Some(5000),
+            "--set beats the environment"
+        );
+        assert_eq!(
+            config.worker.batch,
+            Some(4),
+            "the file where nothing overrides"
+        );
+        assert_eq!(config.kafka().expect("kafka").brokers, "k1:9092,k2:9092");
+        assert_eq!(
+            config.api.expect("api").listen,
+            "0.0.0.0:9000".parse().expect("addr")
+        );
+    }
+
+    #[test]
+    fn a_bad_layered_value_names_the_key_and_its_source() {
+        let f = file("[worker]\nlease_ms = 9000\n");
+        let env = |name: &str| (name == "OPGATE_WORKER_LEASE_MS").then(|| "soon".to_owned());
+        let err = Config::load_layered(&f.0, env, &[]).expect_err("not a number");
+        let text = format!("{err:#}");
+        assert!(text.contains("lease_ms"), "{text}");
+        assert!(text.contains("OPGATE_WORKER_LEASE_MS"), "{text}");
+        let err = Config::load_layered(&f.0, |_| None, &["worker.lease_msx=1".into()])
+            .expect_err("unknown key");
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("lease_msx") && text.contains("--set worker.lease_msx"),
+            "{text}"
+        );
+        let err = Config::load_layered(&f.0, |_| None, &["tools.name=x".into()])
+            .expect_err("tools is an array");
+        assert!(format!("{err:#}").contains("--set tools.name"), "{err:#}");
+        // Variables that are not config keys are never read as config.
+        let config = Config::load_layered(
+            &f.0,
+            |name: &str| (name == "OPGATE_TOKEN").then(|| "secret".to_owned()),
+            &[],
+        )
+        .expect("unrelated variables are ignored");
+        assert_eq!(config.worker.lease_ms, Some(9000));
     }
 }

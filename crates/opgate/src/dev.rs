@@ -83,7 +83,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         })
     };
     let mut config = match &args.config {
-        Some(path) => Config::load(path)?,
+        Some(path) => Config::load_layered(path, |n| std::env::var(n).ok(), &[])?,
         None => Config::parse(DEV_CONFIG).context("the built-in dev config")?,
     };
 

@@ -59,6 +59,10 @@ enum Command {
             default_value = "ingest,relay,dispatch,reconcile"
         )]
         roles: Vec<String>,
+        /// Override a config key, e.g. `--set worker.lease_ms=30000` (repeatable; beats
+        /// the file and the `OPGATE_...` environment variables).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
     },
     /// The simulated providers (payments, emails, tickets) with fault injection.
     Sim {
@@ -139,7 +143,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Config {
             command: ConfigCommand::Check { config },
         } => {
-            let config = Config::load(&config)?;
+            let config = Config::load_layered(&config, |n| std::env::var(n).ok(), &[])?;
             for tool in config.registry.tools() {
                 println!(
                     "{:<28} {:<24} key={}",
@@ -156,7 +160,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Topics {
             command: TopicsCommand::Create { config },
         } => {
-            let config = Config::load(&config)?;
+            let config = Config::load_layered(&config, |n| std::env::var(n).ok(), &[])?;
             let kafka = config.kafka()?;
             let specs = opgate_kafka::topics::builtin_specs()?;
             let mut drift = false;
@@ -177,8 +181,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("some topics differ from their specs (see above)");
             }
         }
-        Command::Run { config, roles } => {
-            let config = Config::load(&config)?;
+        Command::Run {
+            config,
+            roles,
+            sets,
+        } => {
+            let config = Config::load_layered(&config, |n| std::env::var(n).ok(), &sets)?;
             roles::start(&config, &roles, roles::process_env())
                 .await?
                 .until_signal()

@@ -140,8 +140,18 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             !tokens.is_empty(),
             "the api role needs at least one [[api.tokens]]"
         );
-        let state =
+        let mut state =
             opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
+        if let Some(kafka) = &config.kafka {
+            let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
+            state = state.with_check(
+                "broker",
+                Arc::new(move || {
+                    let probe = probe.clone();
+                    Box::pin(async move { probe.check().await })
+                }),
+            );
+        }
         let (addr, server) = opgate_api::serve(api.listen, state)
             .await
             .with_context(|| format!("api.listen {}", api.listen))?;

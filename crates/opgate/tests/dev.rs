@@ -7,7 +7,7 @@
 //! 2. `opgate dev` with `--ready-file`, driven by the CLI (`opgate propose`, `opgate ops
 //!    list|show|events|compensate`) and by a Kafka producer: a proposal sent over HTTP
 //!    and again over Kafka is one operation; a viewer token cannot propose; SIGTERM ends
-//!    the process with status 0.
+//!    the process with status 0; `/metrics` shows the counters and the ledger's gauges.
 
 #![allow(missing_docs)]
 
@@ -292,6 +292,63 @@ async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
         &["ops", "show", &id, "--wait", "20s", "--json"],
     ));
     assert_eq!(settled["status"], "compensated", "{settled}");
+
+    // Ready: the ledger and the embedded broker answer.
+    let http = reqwest::Client::new();
+    let ready_answer: Value = http
+        .get(format!("{api}/readyz"))
+        .send()
+        .await
+        .expect("GET /readyz")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(ready_answer["ledger"], "ok", "{ready_answer}");
+    assert_eq!(ready_answer["broker"], "ok", "{ready_answer}");
+
+    // Metrics: this process's counters and the ledger's gauges, for a viewer token only.
+    let unauthenticated = http
+        .get(format!("{api}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics");
+    assert_eq!(unauthenticated.status(), 401);
+    let started = Instant::now();
+    loop {
+        let text = http
+            .get(format!("{api}/metrics"))
+            .bearer_auth(viewer)
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("body");
+        let expected = [
+            "opgate_ingest_decisions_total{decision=\"accepted\"} 1",
+            "opgate_dedupe_hits_total{reason=\"key\"} 1",
+            "opgate_attempts_total{outcome=\"committed\",tool=\"capture_payment\"} 1",
+            "opgate_attempts_total{outcome=\"committed\",tool=\"refund_payment\"} 1",
+            "opgate_compensations_total{tool=\"capture_payment\"} 1",
+            "opgate_relay_pending ",
+            "opgate_attempt_duration_seconds_bucket{tool=\"capture_payment\"",
+            // librdkafka's statistics arrive every 5 s.
+            "opgate_consumer_lag{partition=",
+        ];
+        let missing: Vec<&str> = expected
+            .iter()
+            .copied()
+            .filter(|line| !text.contains(line))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "missing {missing:?} in\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // Close this test's Kafka clients while the broker still answers (a consumer closing
     // against a vanished broker waits out its session timeout).
