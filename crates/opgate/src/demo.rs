@@ -398,7 +398,7 @@ impl Fleet {
         .await?;
         incidents.push(Incident {
             title: "payment timed out after the provider committed",
-            expect: "1 charge, completed after reconciliation",
+            expect: "1 charge (resent under the same key, which the provider honours)",
             check: Box::new(|r| {
                 expect_effects(r, "demo/payment:order_1001:", 1)
                     .or_else(|| expect_status(r, "inc1-evt", "completed_success"))

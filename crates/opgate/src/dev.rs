@@ -34,6 +34,14 @@ pub struct DevArgs {
     /// Where the simulated providers listen.
     #[arg(long, default_value = "127.0.0.1:9400")]
     pub sim_listen: SocketAddr,
+    /// The roles to run here (default: all). Run the others with `opgate run` against
+    /// the same ledger file, e.g. to kill and restart a dispatcher in the tour.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ingest,relay,dispatch,reconcile,api"
+    )]
+    pub roles: Vec<String>,
     /// Partitions of the embedded opgate.proposals topic.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,
@@ -51,6 +59,13 @@ pub struct DevArgs {
 
 /// Runs `opgate dev`.
 pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
+    roles::validate(&args.roles)?;
+    if !args.roles.iter().any(|r| r == "api") {
+        bail!("opgate dev always runs the api role (it prints its address and tokens)");
+    }
+    if args.demo && args.roles.len() != roles::ROLES.len() {
+        bail!("--demo needs every role in this process");
+    }
     if args.demo && args.config.is_some() {
         bail!(
             "--demo drives the built-in tools; run `opgate dev --config FILE` without --demo and propose to your own tools"
@@ -133,8 +148,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         ],
     });
 
-    let roles: Vec<String> = roles::ROLES.iter().map(|r| (*r).to_owned()).collect();
-    let mut running = roles::start(&config, &roles, env).await?;
+    let mut running = roles::start(&config, &args.roles, env).await?;
     let api = format!(
         "http://{}",
         running.api_addr.context("the api role did not start")?
@@ -175,7 +189,10 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
 }
 
 fn print_banner(bootstrap: &str, api: &str, sim: &str, operator: &str, args: &DevArgs) {
-    println!("opgate dev: every role in one process, no services");
+    println!(
+        "opgate dev: {} in one process, no services",
+        args.roles.join(", ")
+    );
     println!("  kafka bootstrap   {bootstrap}   (opgate.proposals, opgate.results, opgate.dlq)");
     println!("  admin API         {api}");
     println!("  simulated tools   {sim}   (GET /effects, POST /faults)");
@@ -186,7 +203,7 @@ fn print_banner(bootstrap: &str, api: &str, sim: &str, operator: &str, args: &De
     println!("  try, in another terminal:");
     println!("    export OPGATE_API_URL={api} OPGATE_TOKEN={operator}");
     println!(
-        "    opgate propose --tool capture_payment --entity order:order_123 --args '{{\"amount\": \"49.00\", \"currency\": \"usd\"}}' --wait"
+        "    opgate propose --tool capture_payment --entity order:order_123 --args '{{\"amount\": \"49.00\", \"currency\": \"usd\"}}' --wait 10s"
     );
     println!("    opgate ops list");
     println!("  or with any Kafka client:");

@@ -375,3 +375,94 @@ async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
     };
     assert!(status.success(), "{status}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_takes_a_users_config_with_adapters_on_the_embedded_providers() {
+    let dir = temp_dir("dev-config");
+    let config = dir.join("tools.toml");
+    std::fs::write(
+        &config,
+        r#"
+[[tools]]
+name = "open_case"
+side_effect_class = "external_idempotent"
+entity = "customer"
+key = "case:{entity}:{args.topic}"
+[tools.args]
+topic = ["trim", "lower"]
+[tools.adapter]
+kind = "http"
+url = "${OPGATE_SIM_URL}/tickets"
+timeout_ms = 1000
+key_body_field = "client_token"
+external_id_pointer = "/ticket_id"
+"#,
+    )
+    .expect("config");
+    let ready_file = dir.join("ready.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(["dev", "--fresh", "--config"])
+        .arg(&config)
+        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+        .arg("--ledger")
+        .arg(dir.join("dev.db"))
+        .arg("--ready-file")
+        .arg(&ready_file)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn opgate dev --config");
+    let ready = wait_for(&ready_file);
+    let api = ready["api"].as_str().expect("api");
+    let operator = ready["tokens"]["operator"].as_str().expect("operator");
+    let answer = json_of(&cli(
+        api,
+        operator,
+        &[
+            "propose",
+            "--tool",
+            "open_case",
+            "--entity",
+            "customer:c9",
+            "--args",
+            r#"{"topic": " Billing "}"#,
+            "--wait",
+            "20s",
+            "--json",
+        ],
+    ));
+    assert_eq!(
+        answer["operation"]["status"], "completed_success",
+        "{answer}"
+    );
+    assert_eq!(answer["operation"]["idempotency_key"], "case:c9:billing:v1");
+    assert!(
+        answer["operation"]["external_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("tk_")),
+        "the embedded ticket provider answered: {answer}"
+    );
+    // A tool the file does not declare is refused.
+    let refused = cli(
+        api,
+        operator,
+        &[
+            "propose",
+            "--tool",
+            "capture_payment",
+            "--entity",
+            "order:o1",
+            "--args",
+            "{}",
+        ],
+    );
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stdout).contains("unknown_tool"),
+        "{}",
+        String::from_utf8_lossy(&refused.stdout)
+    );
+    child.kill().expect("kill");
+    let _ = child.wait();
+}
