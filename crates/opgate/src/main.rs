@@ -115,14 +115,21 @@ enum BenchCommand {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo's incidents are expected failures; its table tells the story, so its log
+    // stays quiet unless RUST_LOG asks otherwise.
+    let default_filter = match &cli.command {
+        Command::Dev(args) if args.demo => "error",
+        _ => "info,rdkafka=warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,rdkafka=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()).await {
+    match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
