@@ -274,10 +274,6 @@ async fn a_dlq_write_failure_stops_the_partition_until_it_succeeds() {
     assert_eq!(read_topic(&env, DLQ_TOPIC, 1, WAIT).await.len(), 1);
 }
 
-// Mock cluster only: on tansu 0.6.0 the member that follows killed members (no
-// LeaveGroup) stalls on some partitions even with one record per batch; the cause is not
-// isolated (README, "Known broker differences").
-#[cfg(not(feature = "integration"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_killed_mid_batch_loses_and_duplicates_nothing() {
     let env = env(4).await;
@@ -438,9 +434,6 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
     }
 }
 
-// Mock cluster only: on tansu 0.6.0 this passed in some runs and stalled in others after
-// the member left (README, "Known broker differences").
-#[cfg(not(feature = "integration"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rebalance_keeps_the_totals_exact() {
     let env = env(6).await;
