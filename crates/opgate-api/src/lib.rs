@@ -258,7 +258,7 @@ pub fn operation_json(op: &Operation) -> Value {
         "attempt_count": op.attempt_count, "next_attempt_at": op.next_attempt_at.map(opgate_core::canonical::format_utc),
         "lease_owner": op.lease_owner, "lease_epoch": op.lease_epoch,
         "external_request_id": op.external_request_id, "external_id": op.external_object_id,
-        "result": op.result, "error": op.error, "compensates": op.compensates,
+        "result": op.result, "error": op.error, "compensates": op.compensates, "traceparent": op.traceparent,
         "created_at": opgate_core::canonical::format_utc(op.created_at),
         "updated_at": opgate_core::canonical::format_utc(op.updated_at),
     })
@@ -591,6 +591,7 @@ async fn compensate(
 
 async fn propose(
     State(state): State<ApiState>,
+    headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let proposal = Proposal::decode(&body, &state.limits).map_err(|e| {
@@ -606,7 +607,11 @@ async fn propose(
         &proposal,
         Delivery {
             source: Source::Http,
-            traceparent: None,
+            // W3C trace context, carried into the operation and its results as on Kafka.
+            traceparent: headers
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
         },
     );
     let message = match &item {

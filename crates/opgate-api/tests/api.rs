@@ -235,6 +235,22 @@ async fn proposals_over_http_dedupe_like_kafka_and_can_be_inspected() {
         (StatusCode::OK, json!("deduplicated"), json!("key"))
     );
     assert_eq!(again["operation"]["operation_id"], json!(id));
+    // The W3C trace context of an HTTP proposal is kept, as a Kafka header's is.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced: Value = a
+        .http
+        .post(format!("{}/v1/proposals", a.url))
+        .bearer_auth("operator-secret")
+        .header("traceparent", traceparent)
+        .json(&json!({"event_id": "e9", "tool": "capture_payment",
+            "entity": {"type": "order", "id": "o9"}, "args": {"amount": "1", "currency": "usd"}}))
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(traced["operation"]["traceparent"], traceparent, "{traced}");
     let (s, redelivered) = a.propose("e1", "capture_payment", json!("49.00")).await;
     assert_eq!(
         (s, redelivered["inbox_hit"].clone()),

@@ -58,3 +58,16 @@ pub(crate) fn paginate(mut operations: Vec<Operation>, limit: usize) -> Page {
         next_cursor,
     }
 }
+
+/// Live (non-terminal) operations per tool, class and state, with the oldest change.
+pub(crate) fn live_sql() -> String {
+    format!(
+        "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(updated_at) AS oldest \
+         FROM operations WHERE status NOT IN ({}) GROUP BY 1, 2, 3",
+        crate::types::TERMINAL_SQL
+    )
+}
+
+/// Unfinished dispatch-queue rows per state.
+pub(crate) const QUEUE_DEPTH_SQL: &str =
+    "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state";

@@ -19,7 +19,9 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
-use crate::common::{corrupt, millis, page_size, paginate, parse_cursor, source_columns};
+use crate::common::{
+    QUEUE_DEPTH_SQL, corrupt, live_sql, millis, page_size, paginate, parse_cursor, source_columns,
+};
 use crate::flow::{self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
@@ -773,28 +775,23 @@ impl Ledger for SqliteLedger {
     }
 
     async fn stats(&self) -> Result<LedgerStats> {
-        let live = sqlx::query(&format!(
-            "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(updated_at) AS oldest \
-             FROM operations WHERE status NOT IN ({TERMINAL_SQL}) GROUP BY 1, 2, 3"
-        ))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(LiveCount {
-                tool: r.try_get("tool")?,
-                class: r.try_get("side_effect_class")?,
-                status: r.try_get("status")?,
-                count: r.try_get("n")?,
-                oldest_change: get_ts(r, "oldest")?,
+        let live = sqlx::query(&live_sql())
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(LiveCount {
+                    tool: r.try_get("tool")?,
+                    class: r.try_get("side_effect_class")?,
+                    status: r.try_get("status")?,
+                    count: r.try_get("n")?,
+                    oldest_change: get_ts(r, "oldest")?,
+                })
             })
-        })
-        .collect::<Result<Vec<_>>>()?;
-        let queue = sqlx::query_as::<_, (String, i64)>(
-            "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state",
-        )
-        .fetch_all(&self.reader)
-        .await?;
+            .collect::<Result<Vec<_>>>()?;
+        let queue = sqlx::query_as::<_, (String, i64)>(QUEUE_DEPTH_SQL)
+            .fetch_all(&self.reader)
+            .await?;
         let (relay_pending, relay_oldest, now) =
             sqlx::query_as::<_, (i64, Option<String>, String)>(
                 "SELECT COUNT(*), MIN(created_at), strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \

@@ -65,6 +65,7 @@ conformance!(
     exclusive_group_lets_one_tool_act_per_window,
     compensation_holds_the_original_until_it_settles,
     a_failed_compensation_leaves_the_effect_standing,
+    stats_show_live_operations_queue_depth_and_relay_backlog,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1241,6 +1242,29 @@ fn compensation_request(op: &opgate_core::Operation) -> opgate_store::Compensati
     }
 }
 
+/// Claims the compensation (it must be the one claimable operation), records `event`
+/// for it, and returns the original as it stands afterwards.
+async fn settle_compensation(
+    l: &dyn Ledger,
+    compensation: &opgate_core::Operation,
+    event: Event,
+) -> opgate_core::Operation {
+    let claim = claim_one(l, "w").await;
+    assert_eq!(claim.operation.operation_id, compensation.operation_id);
+    record_ok(
+        l,
+        Recording::new(
+            compensation.operation_id,
+            claim.operation.lease_epoch,
+            event,
+            "provider answered",
+        ),
+    )
+    .await;
+    let original = compensation.compensates.expect("a compensation");
+    l.operation(original).await.expect("read").expect("exists")
+}
+
 async fn compensation_holds_the_original_until_it_settles(h: Harness) {
     let l = h.ledger.as_ref();
     // Only a completed operation can be compensated.
@@ -1283,23 +1307,7 @@ async fn compensation_holds_the_original_until_it_settles(h: Harness) {
     let (_, again) = l.compensate(&request).await.expect("compensate again");
     assert_eq!(again.operation_id, compensation.operation_id);
     // The original holds its entity, yet its compensation runs.
-    let claim = claim_one(l, "w").await;
-    assert_eq!(claim.operation.operation_id, compensation.operation_id);
-    record_ok(
-        l,
-        Recording::new(
-            compensation.operation_id,
-            claim.operation.lease_epoch,
-            Event::Succeed,
-            "refunded",
-        ),
-    )
-    .await;
-    let original = l
-        .operation(charged.operation_id)
-        .await
-        .expect("read")
-        .expect("exists");
+    let original = settle_compensation(l, &compensation, Event::Succeed).await;
     assert_eq!(original.status, Status::Compensated);
     let events = l.events(charged.operation_id).await.expect("events");
     let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
@@ -1324,22 +1332,7 @@ async fn a_failed_compensation_leaves_the_effect_standing(h: Harness) {
     let charged = completed_charge(l, "c1", "o1").await;
     let request = compensation_request(&charged);
     let (_, compensation) = l.compensate(&request).await.expect("compensate");
-    let claim = claim_one(l, "w").await;
-    record_ok(
-        l,
-        Recording::new(
-            compensation.operation_id,
-            claim.operation.lease_epoch,
-            Event::FailPermanently,
-            "provider refused the refund",
-        ),
-    )
-    .await;
-    let original = l
-        .operation(charged.operation_id)
-        .await
-        .expect("read")
-        .expect("exists");
+    let original = settle_compensation(l, &compensation, Event::FailPermanently).await;
     assert_eq!(original.status, Status::CompletedSuccess);
     // A second request names the failed compensation instead of hiding it.
     match l.compensate(&request).await {
@@ -1354,4 +1347,53 @@ async fn a_failed_compensation_leaves_the_effect_standing(h: Harness) {
         .expect("ingest");
     let next = claim_one(l, "w").await;
     assert_eq!(next.operation.tool, "charge");
+}
+
+async fn stats_show_live_operations_queue_depth_and_relay_backlog(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1"), pay("e2", "o2", "2")])
+        .await
+        .expect("ingest");
+    let claim = claim_one(l, "w").await;
+    let stats = l.stats().await.expect("stats");
+    let live: BTreeMap<&str, i64> = stats
+        .live
+        .iter()
+        .map(|c| {
+            assert_eq!((c.tool.as_str(), c.class.as_str()), ("pay", "irreversible"));
+            assert!(c.oldest_change <= stats.now);
+            (c.status.as_str(), c.count)
+        })
+        .collect();
+    assert_eq!(
+        live,
+        BTreeMap::from([("dispatched", 1), ("pending_dispatch", 1)])
+    );
+    let queue: BTreeMap<&str, i64> = stats.queue.iter().map(|(s, n)| (s.as_str(), *n)).collect();
+    assert_eq!(queue, BTreeMap::from([("inflight", 1), ("waiting", 1)]));
+    assert_eq!(stats.relay_pending, 3, "two accepted, one dispatched");
+    assert!(stats.relay_oldest.is_some_and(|at| at <= stats.now));
+    // Completed operations leave the live counts; published results leave the backlog.
+    record_ok(
+        l,
+        Recording::new(
+            claim.operation.operation_id,
+            claim.operation.lease_epoch,
+            Event::Succeed,
+            "ok",
+        ),
+    )
+    .await;
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 100))
+        .await
+        .expect("claim results");
+    l.mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark");
+    let stats = l.stats().await.expect("stats");
+    assert_eq!(stats.live.len(), 1);
+    assert_eq!(stats.live[0].status, "pending_dispatch");
+    assert_eq!(stats.relay_pending, 0);
+    assert_eq!(stats.relay_oldest, None);
 }

@@ -35,7 +35,7 @@ pub struct LimitsConfig {
 }
 
 /// `[worker]`: dispatcher and reconciler settings.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Lease per claim in milliseconds (default 60000; must exceed twice every tool timeout).
@@ -48,6 +48,26 @@ pub struct WorkerConfig {
     pub per_tool: Option<usize>,
     /// Longest pause between two lookups of one unknown outcome (default 30000).
     pub reconcile_max_backoff_ms: Option<u64>,
+    /// Inbox rows, finished queue rows and published results older than this are
+    /// deleted by the relay role's reaper (default `8d`: longer than the proposals
+    /// topic's 7-day retention, so a redelivered record still finds its inbox row).
+    pub reap_after: Option<String>,
+    /// How often the reaper runs (default `10m`).
+    pub reap_every: Option<String>,
+}
+
+impl WorkerConfig {
+    /// `(reap_after, reap_every)`, parsed; errors name the key.
+    pub fn reaping(&self) -> anyhow::Result<(std::time::Duration, std::time::Duration)> {
+        let parse = |key: &str, value: &Option<String>, default: &str| {
+            opgate_core::registry::parse_duration(value.as_deref().unwrap_or(default))
+                .map_err(|m| anyhow::anyhow!("worker.{key}: {m}"))
+        };
+        Ok((
+            parse("reap_after", &self.reap_after, "8d")?,
+            parse("reap_every", &self.reap_every, "10m")?,
+        ))
+    }
 }
 
 /// One `[[api.tokens]]` entry.
@@ -158,6 +178,8 @@ pub const ENV_KEYS: &[&str] = &[
     "worker.concurrency",
     "worker.per_tool",
     "worker.reconcile_max_backoff_ms",
+    "worker.reap_after",
+    "worker.reap_every",
     "limits.max_message_bytes",
     "limits.max_args_bytes",
     "limits.max_args_depth",

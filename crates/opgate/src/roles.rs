@@ -78,10 +78,17 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
         )?;
         let token = cancel.child_token();
         tasks.spawn(async move { Ok(relay.run(token).await?) });
+        let (reap_after, reap_every) = config.worker.reaping()?;
+        tasks.spawn(reaper(
+            ledger.clone(),
+            reap_after,
+            reap_every,
+            cancel.child_token(),
+        ));
     }
     if has("dispatch") || has("reconcile") {
         let adapters = opgate_worker::Adapters::from_registry(&registry, |n| env(n))?;
-        let w = config.worker;
+        let w = &config.worker;
         let lease = Duration::from_millis(w.lease_ms.unwrap_or(60_000));
         if has("dispatch") {
             let defaults = opgate_worker::DispatcherConfig::default();
@@ -210,6 +217,33 @@ impl Running {
     }
 }
 
+/// Deletes what the ledger no longer needs (inbox rows, finished queue rows, published
+/// results past `retention`) every `every`; operations, events and attempts are kept.
+/// Several processes may run it: the deletes are idempotent.
+async fn reaper(
+    ledger: opgate_store::SharedLedger,
+    retention: Duration,
+    every: Duration,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return Ok(()),
+            () = tokio::time::sleep(every) => {}
+        }
+        match ledger.reap(retention).await {
+            Ok(stats) => info!(
+                inbox = stats.inbox,
+                queue = stats.queue,
+                results = stats.results,
+                "reaped"
+            ),
+            // The next round tries again; nothing depends on a round succeeding.
+            Err(e) => tracing::warn!(error = %e, "reaping failed"),
+        }
+    }
+}
+
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
@@ -233,4 +267,72 @@ pub async fn shutdown_signal() {
 
 fn hostname() -> String {
     std::env::var("HOSTNAME").unwrap_or_else(|_| "opgate".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opgate_core::{Delivery, IngestItem, Limits, Proposal, Registry, Source};
+
+    #[tokio::test]
+    async fn the_reaper_deletes_published_results_and_keeps_operations() {
+        let path = std::env::temp_dir().join(format!("opgate-reaper-{}.db", uuid::Uuid::now_v7()));
+        let url = format!("sqlite://{}", path.display());
+        opgate_store::migrate(&url).await.expect("migrate");
+        let ledger = opgate_store::open(&url).await.expect("open");
+        let registry = Registry::from_toml(
+            "[[tools]]\nname = \"note\"\nside_effect_class = \"internal_write\"",
+        )
+        .expect("registry");
+        let proposal = Proposal::from_value(
+            serde_json::json!({"event_id": "e1", "tool": "note",
+                "entity": {"type": "t", "id": "1"}, "args": {}}),
+            &Limits::default(),
+        )
+        .expect("proposal");
+        let item = IngestItem::from_proposal(
+            &registry,
+            &proposal,
+            Delivery {
+                source: Source::Http,
+                traceparent: None,
+            },
+        );
+        ledger.ingest(&[item]).await.expect("ingest");
+        let rows = ledger
+            .claim_results(&opgate_store::ClaimRequest {
+                owner: "relay".into(),
+                lease: Duration::from_secs(60),
+                limit: 10,
+            })
+            .await
+            .expect("claim results");
+        ledger
+            .mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+            .await
+            .expect("mark");
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(reaper(
+            ledger.clone(),
+            Duration::ZERO,
+            Duration::from_millis(20),
+            cancel.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cancel.cancel();
+        task.await.expect("join").expect("reaper");
+        // Reaped already: a second pass finds nothing left, and the operation stays.
+        let again = ledger.reap(Duration::ZERO).await.expect("reap");
+        assert_eq!((again.inbox, again.results), (0, 0), "{again:?}");
+        assert_eq!(
+            ledger
+                .list(&opgate_store::ListFilter::default())
+                .await
+                .expect("list")
+                .operations
+                .len(),
+            1
+        );
+        let _ = std::fs::remove_file(&path);
+    }
 }
