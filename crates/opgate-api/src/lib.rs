@@ -318,14 +318,20 @@ async fn ready(State(state): State<ApiState>) -> Response {
 
 /// `GET /metrics` (viewer): this process's counters and the ledger's gauges, in the
 /// Prometheus text format.
-async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
-    let stats = state.ledger.stats().await?;
-    let gauges = ledger_gauges(&stats);
-    Ok((
+async fn metrics(State(state): State<ApiState>) -> Response {
+    // Without the ledger, the process's own counters are still worth scraping.
+    let gauges = match state.ledger.stats().await {
+        Ok(stats) => Some(ledger_gauges(&stats)),
+        Err(e) => {
+            tracing::warn!(error = %e, "ledger gauges unavailable for /metrics");
+            None
+        }
+    };
+    (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        opgate_metrics::metrics().render(Some(&gauges)),
+        opgate_metrics::metrics().render(gauges.as_ref()),
     )
-        .into_response())
+        .into_response()
 }
 
 /// The ledger's shape as the metrics crate's gauges.
@@ -566,10 +572,10 @@ async fn compensate(
         source: Source::Http,
         traceparent: original.traceparent.clone(),
     };
-    let envelope = match IngestItem::from_proposal(&state.registry, &proposal, delivery) {
-        IngestItem::Accepted(envelope) => *envelope,
-        IngestItem::Rejected(rejected) => return Err(unprocessable(rejected.rejection)),
-    };
+    let envelope =
+        opgate_core::envelope::prepare_for_operator(&state.registry, &proposal, delivery)
+            .map_err(unprocessable)?;
+    let first_request = original.status == Status::CompletedSuccess;
     let (original, compensation) = state
         .ledger
         .compensate(&opgate_store::CompensationRequest {
@@ -579,10 +585,12 @@ async fn compensate(
             reason: body.reason.unwrap_or_else(|| "compensate".into()),
         })
         .await?;
-    opgate_metrics::metrics()
-        .compensations
-        .with_label_values(&[original.tool.as_str()])
-        .inc();
+    if first_request {
+        opgate_metrics::metrics()
+            .compensations
+            .with_label_values(&[original.tool.as_str()])
+            .inc();
+    }
     Ok(Json(json!({
         "operation": operation_json(&original),
         "compensation": operation_json(&compensation),

@@ -2,7 +2,8 @@
 //! `[tools.compensation]` (e.g. `refund_payment` with `charge_id = "{result.charge_id}"`).
 //!
 //! The compensating proposal goes through the same registry checks, canonicalization
-//! and key derivation as any other ([`crate::envelope::prepare`]); the ledger then
+//! and key derivation as any other ([`crate::envelope::prepare_for_operator`]: a person
+//! asked for it, so the agents' allowlists do not apply); the ledger then
 //! records it with `compensates` pointing at the original, which moves to `compensating`
 //! until the compensation settles.
 
@@ -54,6 +55,11 @@ pub fn proposal(
         };
         args.insert(name.clone(), rendered);
     }
+    // A compensating tool that declares intents gets its first one: the intent is the
+    // configuration's, not a model's.
+    let intent = registry
+        .tool(&compensation.tool)
+        .and_then(|t| t.intents.first().cloned());
     Ok(Proposal {
         event_id: event_id(operation),
         namespace: operation.namespace.clone(),
@@ -62,7 +68,7 @@ pub fn proposal(
         run_id: operation.run_id.clone(),
         step: operation.step,
         tool: compensation.tool.clone(),
-        intent: None,
+        intent,
         entity: operation.entity.clone(),
         args,
     })
@@ -195,5 +201,61 @@ side_effect_class = "internal_write"
             "{}",
             err.message
         );
+    }
+
+    #[test]
+    fn an_operator_compensation_passes_agent_allowlists_and_takes_a_declared_intent() {
+        let tools = r#"
+[[tools]]
+name = "capture_payment"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:{args.amount}"
+[tools.args]
+amount = "money_minor"
+[tools.compensation]
+tool = "refund_payment"
+args = { charge_id = "{result.charge_id}" }
+
+[[tools]]
+name = "refund_payment"
+side_effect_class = "irreversible"
+entity = "order"
+intents = ["undo_charge"]
+key = "refund:{entity}:{args.charge_id}"
+required = ["charge_id"]
+
+[[agents]]
+id = "checkout-bot"
+tools = ["capture_payment"]
+"#;
+        let registry = Registry::from_toml(tools).expect("registry");
+        let p = Proposal::from_value(
+            json!({"event_id": "e1", "agent_id": "checkout-bot", "tool": "capture_payment",
+                "entity": {"type": "order", "id": "o1"}, "args": {"amount": "12.50"}}),
+            &Limits::default(),
+        )
+        .expect("proposal");
+        let delivery = || Delivery {
+            source: Source::Http,
+            traceparent: None,
+        };
+        let env = crate::envelope::prepare(&registry, &p, delivery()).expect("accepted");
+        let mut op =
+            Operation::from_envelope(&env, uuid::Uuid::nil(), time::OffsetDateTime::UNIX_EPOCH);
+        op.result = Some(json!({"charge_id": "ch_1"}));
+        let comp = proposal(&registry, &op, "ops-oncall").expect("compensation");
+        assert_eq!(comp.intent.as_deref(), Some("undo_charge"));
+        // An agent named `ops-oncall` is not in the allowlist; an operator is not an agent.
+        assert_eq!(
+            crate::envelope::prepare(&registry, &comp, delivery())
+                .expect_err("agents are checked")
+                .reason,
+            "unknown_agent"
+        );
+        let env = crate::envelope::prepare_for_operator(&registry, &comp, delivery())
+            .expect("operators are not agents");
+        assert_eq!(env.tool, "refund_payment");
+        assert_eq!(env.key.key, "refund:o1:ch_1:v1");
     }
 }

@@ -223,6 +223,25 @@ pub fn prepare(
     proposal: &Proposal,
     delivery: Delivery,
 ) -> Result<Envelope, Rejection> {
+    prepare_checked(registry, proposal, delivery, true)
+}
+
+/// [`prepare`] for a proposal a person made through the admin API (a compensation): the
+/// `[[agents]]` allowlists govern agents, not operators, so they are not applied.
+pub fn prepare_for_operator(
+    registry: &Registry,
+    proposal: &Proposal,
+    delivery: Delivery,
+) -> Result<Envelope, Rejection> {
+    prepare_checked(registry, proposal, delivery, false)
+}
+
+fn prepare_checked(
+    registry: &Registry,
+    proposal: &Proposal,
+    delivery: Delivery,
+    check_agent: bool,
+) -> Result<Envelope, Rejection> {
     let reject = |reason, message: String| Rejection { reason, message };
     let tool = registry.tool(&proposal.tool).ok_or_else(|| {
         reject(
@@ -230,18 +249,21 @@ pub fn prepare(
             format!("tool `{}` is not registered", proposal.tool),
         )
     })?;
-    registry
-        .allows(proposal.agent_id.as_deref(), &tool.name)
-        .map_err(|reason| {
-            reject(
-                reason,
-                format!(
-                    "agent `{}` may not propose tool `{}`",
-                    proposal.agent_id.as_deref().unwrap_or("(none)"),
-                    tool.name
-                ),
-            )
-        })?;
+    let allowed = if check_agent {
+        registry.allows(proposal.agent_id.as_deref(), &tool.name)
+    } else {
+        Ok(())
+    };
+    allowed.map_err(|reason| {
+        reject(
+            reason,
+            format!(
+                "agent `{}` may not propose tool `{}`",
+                proposal.agent_id.as_deref().unwrap_or("(none)"),
+                tool.name
+            ),
+        )
+    })?;
     if !tool.intents.is_empty() {
         let intent = proposal.intent.as_deref().unwrap_or_default();
         if !tool.intents.iter().any(|i| i == intent) {

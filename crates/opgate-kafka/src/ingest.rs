@@ -79,6 +79,9 @@ impl ClientContext for IngestContext {
     /// each assigned partition becomes `opgate_consumer_lag`.
     fn stats(&self, statistics: rdkafka::Statistics) {
         let lag = &opgate_metrics::metrics().consumer_lag;
+        // Each report covers every assigned partition: start from nothing, so partitions
+        // this member no longer owns (after a rebalance) stop being reported.
+        lag.reset();
         for (topic, t) in &statistics.topics {
             for (partition, p) in &t.partitions {
                 // -1 is librdkafka's "not known" (e.g. the partition is not assigned).

@@ -109,7 +109,10 @@ pub(crate) trait Tx: Send {
         namespace: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<Operation>>> + Send;
-    /// Reads and row-locks the oldest operation a [`Guard`] finds (see [`GuardProbe`]).
+    /// Serializes policy checks on one entity until the transaction ends (PostgreSQL: a
+    /// transaction-scoped advisory lock; SQLite has a single writer already).
+    fn lock_entity(&mut self, entity_key: &str) -> impl Future<Output = Result<()>> + Send;
+    /// Reads and row-locks the oldest operation a guard finds (see [`GuardProbe`]).
     fn lock_guarded(
         &mut self,
         probe: &GuardProbe<'_>,
@@ -256,8 +259,13 @@ pub(crate) struct GuardProbe<'a> {
 pub(crate) const GUARD_IGNORES: &str = "'rejected', 'cancelled', 'failed_permanent', 'compensated'";
 
 /// For each fresh, accepted proposal whose tool has guards: the reason and the key of
-/// the operation that suppresses it — an earlier proposal of this batch, or a recent
-/// operation in the ledger.
+/// the operation that suppresses it — an earlier proposal of this batch that becomes an
+/// operation, or a recent operation in the ledger.
+///
+/// The key decides first: a proposal whose own key already names an operation (in the
+/// ledger or earlier in the batch) is a key dedupe or conflict, never a guard hit. Each
+/// guarded entity is locked for the transaction ([`Tx::lock_entity`], in sorted order) so
+/// two transactions cannot both find "nothing yet" and both act.
 async fn guard_hits<T: Tx>(
     tx: &mut T,
     batch: &[IngestItem],
@@ -265,35 +273,62 @@ async fn guard_hits<T: Tx>(
     now: OffsetDateTime,
 ) -> Result<Vec<Option<(&'static str, (String, String))>>> {
     let mut hits = vec![None; batch.len()];
-    for (i, item) in batch.iter().enumerate() {
-        let IngestItem::Accepted(env) = item else {
-            continue;
-        };
-        if !fresh[i] || env.guards.is_empty() {
+    let guarded: Vec<(usize, &Envelope)> = batch
+        .iter()
+        .enumerate()
+        .filter_map(|(i, item)| match item {
+            IngestItem::Accepted(env) if fresh[i] && !env.guards.is_empty() => Some((i, &**env)),
+            _ => None,
+        })
+        .collect();
+    if guarded.is_empty() {
+        return Ok(hits);
+    }
+    let entities: std::collections::BTreeSet<&str> = guarded
+        .iter()
+        .map(|(_, env)| env.entity_key.as_str())
+        .collect();
+    for entity in entities {
+        tx.lock_entity(entity).await?;
+    }
+    // Whether a key already names an operation in the ledger (asked at most once per key).
+    let mut known: HashMap<(String, String), bool> = HashMap::new();
+    for (i, env) in guarded {
+        let own = (env.key.namespace.clone(), env.key.key.clone());
+        let earlier_same_key = batch[..i].iter().enumerate().any(|(j, other)| {
+            matches!(other, IngestItem::Accepted(o)
+                if fresh[j] && o.key.namespace == own.0 && o.key.key == own.1)
+        });
+        if earlier_same_key || exists(tx, &mut known, &own).await? {
             continue;
         }
         for guard in &env.guards {
-            let since = now - time::Duration::try_from(guard.window).unwrap_or(time::Duration::MAX);
-            // An earlier proposal of this batch that will stand.
-            let earlier = batch[..i]
-                .iter()
-                .enumerate()
-                .find_map(|(j, other)| match other {
-                    IngestItem::Accepted(o)
-                        if fresh[j]
-                            && hits[j].is_none()
-                            && o.entity_key == env.entity_key
-                            && o.key.key != env.key.key
-                            && guard.tools.contains(&o.tool)
-                            && (!guard.same_args || o.args_fingerprint == env.args_fingerprint) =>
-                    {
-                        Some((o.key.namespace.clone(), o.key.key.clone()))
-                    }
-                    _ => None,
-                });
-            let found = match earlier {
-                Some(key) => Some(key),
-                None => tx
+            // A window reaching before the epoch (or past what time can represent)
+            // covers everything.
+            let since = time::Duration::try_from(guard.window)
+                .ok()
+                .and_then(|w| now.checked_sub(w))
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+            // An earlier proposal of this batch that becomes a new operation.
+            let mut found = None;
+            for (j, other) in batch[..i].iter().enumerate() {
+                let IngestItem::Accepted(o) = other else {
+                    continue;
+                };
+                let candidate = fresh[j]
+                    && hits[j].is_none()
+                    && o.entity_key == env.entity_key
+                    && o.key.key != env.key.key
+                    && guard.tools.contains(&o.tool)
+                    && (!guard.same_args || o.args_fingerprint == env.args_fingerprint);
+                let key = (o.key.namespace.clone(), o.key.key.clone());
+                if candidate && !exists(tx, &mut known, &key).await? {
+                    found = Some(key);
+                    break;
+                }
+            }
+            if found.is_none() {
+                found = tx
                     .lock_guarded(&GuardProbe {
                         entity_key: &env.entity_key,
                         tools: &guard.tools,
@@ -303,8 +338,8 @@ async fn guard_hits<T: Tx>(
                         exclude_key: &env.key.key,
                     })
                     .await?
-                    .map(|op| (op.namespace, op.idempotency_key)),
-            };
+                    .map(|op| (op.namespace, op.idempotency_key));
+            }
             if let Some(key) = found {
                 hits[i] = Some((guard.reason, key));
                 break;
@@ -312,6 +347,20 @@ async fn guard_hits<T: Tx>(
         }
     }
     Ok(hits)
+}
+
+/// Whether `key` names an operation in the ledger, remembered in `known`.
+async fn exists<T: Tx>(
+    tx: &mut T,
+    known: &mut HashMap<(String, String), bool>,
+    key: &(String, String),
+) -> Result<bool> {
+    if let Some(&hit) = known.get(key) {
+        return Ok(hit);
+    }
+    let hit = tx.lock_operation_by_key(&key.0, &key.1).await?.is_some();
+    known.insert(key.clone(), hit);
+    Ok(hit)
 }
 
 fn add(at: OffsetDateTime, d: Duration) -> OffsetDateTime {

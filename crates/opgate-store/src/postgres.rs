@@ -226,6 +226,14 @@ impl Tx for PgTx {
         .transpose()
     }
 
+    async fn lock_entity(&mut self, entity_key: &str) -> Result<()> {
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(entity_key)
+            .execute(&mut *self.0)
+            .await?;
+        Ok(())
+    }
+
     async fn lock_guarded(&mut self, p: &GuardProbe<'_>) -> Result<Option<Operation>> {
         sqlx::query(&format!(
             "SELECT {OP_COLUMNS} FROM operations \
@@ -514,6 +522,10 @@ impl Tx for PgTx {
         Ok(())
     }
 
+    // Head of line per entity: nothing in flight or held on the entity, nothing waiting
+    // ahead. A compensation passes the operation it undoes (which holds the entity in
+    // `compensating`) and the waiting operations queued behind that one: they wait for
+    // the original, which waits for its compensation.
     async fn pick_claimable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
         Ok(sqlx::query_scalar(
             "SELECT q.operation_id FROM dispatch_queue q \
@@ -523,7 +535,8 @@ impl Tx for PgTx {
                    WHERE p.entity_key = q.entity_key AND NOT p.is_read \
                      AND p.operation_id <> q.operation_id \
                      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
-                     AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq)))) \
+                     AND (p.state IN ('inflight', 'held') \
+                          OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) \
              ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED",
         )
         .bind(now)

@@ -356,6 +356,11 @@ impl Tx for SqliteTx {
         .transpose()
     }
 
+    async fn lock_entity(&mut self, _entity_key: &str) -> Result<()> {
+        // Every write transaction goes through the one writer connection.
+        Ok(())
+    }
+
     async fn lock_guarded(&mut self, p: &GuardProbe<'_>) -> Result<Option<Operation>> {
         let tools = serde_json::to_string(p.tools).map_err(|e| Error::Corrupt(e.to_string()))?;
         sqlx::query(&format!(
@@ -507,6 +512,10 @@ impl Tx for SqliteTx {
         Ok(())
     }
 
+    // Head of line per entity: nothing in flight or held on the entity, nothing waiting
+    // ahead. A compensation passes the operation it undoes (which holds the entity in
+    // `compensating`) and the waiting operations queued behind that one: they wait for
+    // the original, which waits for its compensation.
     async fn pick_claimable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
         ids(sqlx::query_scalar(
             "SELECT q.operation_id FROM dispatch_queue q \
@@ -516,7 +525,8 @@ impl Tx for SqliteTx {
                    WHERE p.entity_key = q.entity_key AND p.is_read = 0 \
                      AND p.operation_id <> q.operation_id \
                      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
-                     AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq)))) \
+                     AND (p.state IN ('inflight', 'held') \
+                          OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) \
              ORDER BY q.ready_at, q.seq LIMIT $2",
         )
         .bind(ts(now))

@@ -66,6 +66,9 @@ conformance!(
     compensation_holds_the_original_until_it_settles,
     a_failed_compensation_leaves_the_effect_standing,
     stats_show_live_operations_queue_depth_and_relay_backlog,
+    racing_members_of_an_exclusive_group_make_one_operation,
+    the_key_decides_before_the_guards,
+    a_compensation_passes_writes_queued_behind_its_original,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1229,14 +1232,12 @@ async fn completed_charge(l: &dyn Ledger, event: &str, order: &str) -> opgate_co
 fn compensation_request(op: &opgate_core::Operation) -> opgate_store::CompensationRequest {
     let registry = support::registry();
     let proposal = opgate_core::compensation::proposal(&registry, op, "ops").expect("compensation");
-    let opgate_core::IngestItem::Accepted(envelope) =
-        opgate_core::IngestItem::from_proposal(&registry, &proposal, support::delivery(0))
-    else {
-        panic!("the compensation is a valid proposal")
-    };
+    let envelope =
+        opgate_core::envelope::prepare_for_operator(&registry, &proposal, support::delivery(0))
+            .expect("the compensation is a valid proposal");
     opgate_store::CompensationRequest {
         operation_id: op.operation_id,
-        envelope: *envelope,
+        envelope,
         actor: "ops".into(),
         reason: "order cancelled".into(),
     }
@@ -1396,4 +1397,119 @@ async fn stats_show_live_operations_queue_depth_and_relay_backlog(h: Harness) {
     assert_eq!(stats.live[0].status, "pending_dispatch");
     assert_eq!(stats.relay_pending, 0);
     assert_eq!(stats.relay_oldest, None);
+}
+
+async fn racing_members_of_an_exclusive_group_make_one_operation(h: Harness) {
+    // Separate transactions, released together: refunds and credits on one account.
+    for round in 0..5 {
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let mut tasks = tokio::task::JoinSet::new();
+        for n in 0..8 {
+            let ledger = h.ledger.clone();
+            let barrier = barrier.clone();
+            tasks.spawn(async move {
+                let tool = if n % 2 == 0 {
+                    "refund_acct"
+                } else {
+                    "credit_acct"
+                };
+                let item = item(
+                    &format!("r{round}-m{n}"),
+                    tool,
+                    ("account", &format!("acct-{round}")),
+                    json!({"amount": format!("{}", 10 + n)}),
+                );
+                barrier.wait().await;
+                ledger.ingest(&[item]).await.expect("ingest").remove(0)
+            });
+        }
+        let outcomes = tasks.join_all().await;
+        let accepted = outcomes
+            .iter()
+            .filter(|o| o.decision == IngestDecision::Accepted)
+            .count();
+        assert_eq!(accepted, 1, "round {round}: one make-good per account");
+        assert!(
+            outcomes
+                .iter()
+                .filter(|o| o.decision != IngestDecision::Accepted)
+                .all(|o| dedupe_reason(o) == Some("exclusive_group")),
+            "round {round}: {outcomes:?}"
+        );
+    }
+    assert_eq!(ops_count(&h).await, 5);
+}
+
+async fn the_key_decides_before_the_guards(h: Harness) {
+    let l = h.ledger.as_ref();
+    let make_good = |event: &str, tool: &str, amount: &str| {
+        item(event, tool, ("account", "a1"), json!({ "amount": amount }))
+    };
+    // A refund that failed for good no longer excludes anything.
+    let out = l
+        .ingest(&[make_good("m1", "refund_acct", "25")])
+        .await
+        .expect("ingest");
+    let refund = out[0].operation.as_ref().expect("op").operation_id;
+    l.apply(&Command {
+        operation_id: refund,
+        event: Event::Cancel,
+        actor: "ops".into(),
+        reason: "withdrawn".into(),
+        result: None,
+    })
+    .await
+    .expect("cancel");
+    // In one batch: the agent retries that refund (its key names the cancelled
+    // operation: a key dedupe, no new operation), then proposes a credit. The retry
+    // must not count as a member that acted.
+    let out = l
+        .ingest(&[
+            make_good("m2", "refund_acct", "25"),
+            make_good("m3", "credit_acct", "25"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(dedupe_reason(&out[0]), Some("key"));
+    assert_eq!(
+        out[0].operation.as_ref().map(|o| o.operation_id),
+        Some(refund)
+    );
+    assert_eq!(out[1].decision, IngestDecision::Accepted, "{:?}", out[1]);
+    let credit = out[1].operation.as_ref().expect("op").operation_id;
+    // Later, a retry of the credit is a key dedupe of the credit, and another refund is
+    // an exclusive-group dedupe naming the credit.
+    let out = l
+        .ingest(&[
+            make_good("m4", "credit_acct", "25"),
+            make_good("m5", "refund_acct", "30"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(dedupe_reason(&out[0]), Some("key"));
+    assert_eq!(dedupe_reason(&out[1]), Some("exclusive_group"));
+    assert_eq!(
+        out[1].operation.as_ref().map(|o| o.operation_id),
+        Some(credit)
+    );
+    assert_eq!(ops_count(&h).await, 2);
+}
+
+async fn a_compensation_passes_writes_queued_behind_its_original(h: Harness) {
+    let l = h.ledger.as_ref();
+    let charged = completed_charge(l, "c1", "o1").await;
+    // Another write on the order waits in the queue, ahead of the compensation.
+    l.ingest(&[item("c2", "charge", ("order", "o1"), json!({"amount": 20}))])
+        .await
+        .expect("ingest");
+    let (_, compensation) = l
+        .compensate(&compensation_request(&charged))
+        .await
+        .expect("compensate");
+    // The waiting write is blocked by the original (compensating); the compensation runs.
+    let original = settle_compensation(l, &compensation, Event::Succeed).await;
+    assert_eq!(original.status, Status::Compensated);
+    // Then the waiting write.
+    let next = claim_one(l, "w").await;
+    assert_eq!(next.operation.canonical_args, json!({"amount": 20}));
 }

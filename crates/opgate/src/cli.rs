@@ -214,7 +214,10 @@ impl Client {
         let status = response.status();
         let text = response.text().await?;
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        if status.is_success() || status == reqwest::StatusCode::UNPROCESSABLE_ENTITY {
+        // A refused proposal (422) is an answer `propose` prints; anywhere else it fails.
+        if status.is_success()
+            || (status == reqwest::StatusCode::UNPROCESSABLE_ENTITY && path == "/v1/proposals")
+        {
             return Ok(value);
         }
         match value.pointer("/error/message").and_then(Value::as_str) {

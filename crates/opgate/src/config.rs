@@ -263,10 +263,28 @@ impl Config {
     }
 }
 
-/// Sets `a.b.c` in a TOML document, creating tables on the way. The value's type is
-/// read from its spelling: an integer, `true`/`false`, or else a string.
+/// Keys whose values are strings however they are spelled (a group id may be `12345`).
+const STRING_KEYS: &[&str] = &[
+    "database.url",
+    "kafka.brokers",
+    "kafka.group_id",
+    "kafka.topic_prefix",
+    "api.listen",
+    "worker.reap_after",
+    "worker.reap_every",
+];
+
+/// Sets `a.b.c` in a TOML document, creating tables on the way. `kafka.client.<property>`
+/// sets one librdkafka property (dots and all) to a string; the keys in [`STRING_KEYS`]
+/// are strings; any other value's type is read from its spelling: an integer,
+/// `true`/`false`, or else a string.
 fn set_key(doc: &mut toml::Table, key: &str, raw: &str) -> anyhow::Result<()> {
-    let parts: Vec<&str> = key.split('.').collect();
+    let parts: Vec<&str> = match key.strip_prefix("kafka.client.") {
+        Some(property) if !property.is_empty() => vec!["kafka", "client", property],
+        _ => key.split('.').collect(),
+    };
+    let string_valued =
+        parts.len() == 3 && parts[..2] == ["kafka", "client"] || STRING_KEYS.contains(&key);
     anyhow::ensure!(
         !parts.iter().any(|p| p.is_empty()),
         "`{key}` is not a key (a.b.c)"
@@ -284,7 +302,9 @@ fn set_key(doc: &mut toml::Table, key: &str, raw: &str) -> anyhow::Result<()> {
             )
         })?;
     }
-    let value = if let Ok(n) = raw.parse::<i64>() {
+    let value = if string_valued {
+        toml::Value::String(raw.to_owned())
+    } else if let Ok(n) = raw.parse::<i64>() {
         toml::Value::Integer(n)
     } else if let Ok(b) = raw.parse::<bool>() {
         toml::Value::Boolean(b)
@@ -381,6 +401,26 @@ mod tests {
             config.api.expect("api").listen,
             "0.0.0.0:9000".parse().expect("addr")
         );
+    }
+
+    #[test]
+    fn string_keys_and_librdkafka_properties_stay_strings() {
+        let f = file("[kafka]\nbrokers = \"k:9092\"\n");
+        let env = |name: &str| (name == "OPGATE_KAFKA_GROUP_ID").then(|| "12345".to_owned());
+        let config = Config::load_layered(
+            &f.0,
+            env,
+            &[
+                "kafka.client.linger.ms=5".into(),
+                "kafka.client.security.protocol=SASL_SSL".into(),
+            ],
+        )
+        .expect("layered");
+        let kafka = config.kafka().expect("kafka");
+        assert_eq!(kafka.group_id, "12345");
+        let client = kafka.client_config_with(|_| None).expect("client config");
+        assert_eq!(client.get("linger.ms"), Some("5"));
+        assert_eq!(client.get("security.protocol"), Some("SASL_SSL"));
     }
 
     #[test]

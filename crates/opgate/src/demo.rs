@@ -786,10 +786,15 @@ impl Fleet {
                 .count() as u64;
             s.dlq = seen.dlq.clone();
         }
-        let redeliveries = self.sends - self.sent.len() as u64;
-        if redeliveries > 0 {
+        // A redelivered event gets no new answer (it was answered once), so this count is
+        // opgate's own: the ingest path's inbox hits in this process.
+        let inbox_hits = opgate_metrics::metrics()
+            .dedupe_hits
+            .with_label_values(&["inbox"])
+            .get();
+        if inbox_hits > 0 {
             s.deduplicated
-                .insert("inbox (redelivered event)".into(), redeliveries);
+                .insert("inbox (redelivered event)".into(), inbox_hits);
         }
         // The ledger's view: every operation's history.
         for namespace in ["demo", "load"] {

@@ -184,16 +184,25 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
 
 impl Running {
     /// Runs until SIGTERM or Ctrl-C (or until a role fails), then shuts down.
+    /// A second signal during the drain stops the process at once (exit status 130):
+    /// what was in flight is then settled by the next process (inbox redelivery, lease
+    /// expiry and reconciliation), as after a crash.
     pub async fn until_signal(mut self) -> anyhow::Result<()> {
         tokio::select! {
-            () = shutdown_signal() => info!("shutting down"),
+            () = shutdown_signal() => info!("shutting down; a second signal stops at once"),
             Some(done) = self.tasks.join_next() => {
                 self.cancel.cancel();
                 done??;
                 bail!("a role stopped on its own");
             }
         }
-        self.shutdown().await
+        tokio::select! {
+            drained = self.shutdown() => drained,
+            () = shutdown_signal() => {
+                tracing::warn!("second signal: stopping without draining");
+                std::process::exit(130);
+            }
+        }
     }
 
     /// Drains: the ingest worker finishes or abandons its batch, commits offsets and
