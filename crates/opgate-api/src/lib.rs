@@ -538,7 +538,8 @@ async fn act(
 
 /// `POST /v1/operations/{id}/compensate`: records the compensating operation the tool's
 /// `[tools.compensation]` describes and moves the original to `compensating`; it settles
-/// to `compensated` when the compensation completes. Asked again, the same compensation.
+/// to `compensated` when the compensation completes. Asked again while it runs, the same
+/// compensation; after a failed one, a new attempt.
 async fn compensate(
     state: &ApiState,
     caller: Caller,

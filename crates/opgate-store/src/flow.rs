@@ -988,21 +988,41 @@ pub(crate) async fn compensate<T: Tx>(
         .lock_operation(request.operation_id)
         .await?
         .ok_or(Error::NotFound(request.operation_id))?;
-    let key = &request.envelope.key;
-    if let Some(existing) = tx.lock_operation_by_key(&key.namespace, &key.key).await? {
-        // Asked again while (or after) the compensation runs: the same compensation.
-        if existing.compensates == Some(original.operation_id)
-            && matches!(original.status, Status::Compensating | Status::Compensated)
-        {
+    // The compensation's key: the tool's own, or — when an earlier compensation of this
+    // operation failed — the same with `:retry{n}`, a new identity for a deliberate new
+    // attempt (the failed one stays in the ledger as it ended).
+    let mut envelope = request.envelope.clone();
+    let base = envelope.key.key.clone();
+    for attempt in 1.. {
+        let Some(existing) = tx
+            .lock_operation_by_key(&envelope.key.namespace, &envelope.key.key)
+            .await?
+        else {
+            break;
+        };
+        let ours = existing.compensates == Some(original.operation_id);
+        if ours && matches!(original.status, Status::Compensating | Status::Compensated) {
+            // Asked again while (or after) the compensation runs: the same compensation.
             return Ok((original, existing));
         }
-        return Err(Error::Conflict(format!(
-            "the compensation's key `{}` already names operation {} ({}); resolve it by hand",
-            key.key,
-            existing.operation_id,
-            existing.status.as_str()
-        )));
+        let failed = matches!(
+            existing.status,
+            Status::FailedPermanent | Status::Cancelled | Status::Rejected
+        );
+        if !(ours && failed) || attempt >= 100 {
+            return Err(Error::Conflict(format!(
+                "the compensation's key `{}` already names operation {} ({}); resolve it by hand",
+                envelope.key.key,
+                existing.operation_id,
+                existing.status.as_str()
+            )));
+        }
+        envelope.key.key = format!("{base}:retry{}", attempt + 1);
+        if let Some(components) = envelope.key.components.as_object_mut() {
+            components.insert("compensation_attempt".into(), json!(attempt + 1));
+        }
     }
+    let key = &envelope.key;
     original.lease_epoch += 1;
     change(
         tx,
@@ -1018,7 +1038,7 @@ pub(crate) async fn compensate<T: Tx>(
         now,
     )
     .await??;
-    let mut compensation = new_operation(&request.envelope, now);
+    let mut compensation = new_operation(&envelope, now);
     compensation.compensates = Some(original.operation_id);
     compensation.result_seq = 1;
     let created = tx

@@ -61,7 +61,8 @@ pub trait Ledger: Send + Sync + 'static {
 
     /// Starts compensating a completed operation: it moves to `compensating` and the
     /// compensating operation (`compensates` = the original) is recorded and queued, in
-    /// one transaction. Asked again, it returns the same compensation. Returns the
+    /// one transaction. Asked again while it runs, it returns the same compensation; after
+    /// a failed one, it starts a new attempt keyed `{key}:retry{n}`. Returns the
     /// original and the compensation.
     async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)>;
 

@@ -64,7 +64,7 @@ conformance!(
     dedupe_window_suppresses_the_same_action_across_keys,
     exclusive_group_lets_one_tool_act_per_window,
     compensation_holds_the_original_until_it_settles,
-    a_failed_compensation_leaves_the_effect_standing,
+    a_failed_compensation_leaves_the_effect_standing_and_can_be_retried,
     stats_show_live_operations_queue_depth_and_relay_backlog,
     racing_members_of_an_exclusive_group_make_one_operation,
     the_key_decides_before_the_guards,
@@ -1328,17 +1328,42 @@ async fn compensation_holds_the_original_until_it_settles(h: Harness) {
     );
 }
 
-async fn a_failed_compensation_leaves_the_effect_standing(h: Harness) {
+async fn a_failed_compensation_leaves_the_effect_standing_and_can_be_retried(h: Harness) {
     let l = h.ledger.as_ref();
     let charged = completed_charge(l, "c1", "o1").await;
     let request = compensation_request(&charged);
     let (_, compensation) = l.compensate(&request).await.expect("compensate");
     let original = settle_compensation(l, &compensation, Event::FailPermanently).await;
     assert_eq!(original.status, Status::CompletedSuccess);
-    // A second request names the failed compensation instead of hiding it.
-    match l.compensate(&request).await {
+    // Asked again, a new attempt under a new key; the failed one stays as it ended.
+    let (original, retry) = l.compensate(&request).await.expect("compensate again");
+    assert_eq!(original.status, Status::Compensating);
+    assert_ne!(retry.operation_id, compensation.operation_id);
+    assert_eq!(
+        retry.idempotency_key,
+        format!("{}:retry2", compensation.idempotency_key)
+    );
+    assert_eq!(retry.key_components["compensation_attempt"], 2);
+    let failed = l
+        .operation(compensation.operation_id)
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(failed.status, Status::FailedPermanent);
+    let original = settle_compensation(l, &retry, Event::Succeed).await;
+    assert_eq!(original.status, Status::Compensated);
+    // A compensation's key taken by an operation that is not a compensation of this
+    // one is a conflict, never merged.
+    let other = completed_charge(l, "c3", "o3").await;
+    let mut clash = compensation_request(&other);
+    clash
+        .envelope
+        .key
+        .key
+        .clone_from(&compensation.idempotency_key);
+    match l.compensate(&clash).await {
         Err(Error::Conflict(message)) => {
-            assert!(message.contains("failed_permanent"), "{message}");
+            assert!(message.contains("resolve it by hand"), "{message}");
         }
         other => panic!("expected a conflict, got {other:?}"),
     }
