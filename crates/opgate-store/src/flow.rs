@@ -109,6 +109,52 @@ pub(crate) trait Tx: Send {
         namespace: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Inbox rows of these event ids (absent ones are left out). The default runs one
+    /// statement per id; a backend with costly round trips overrides it.
+    fn inbox_batch(
+        &mut self,
+        event_ids: &[&str],
+    ) -> impl Future<Output = Result<HashMap<String, InboxRow>>> + Send {
+        async move {
+            let mut rows = HashMap::new();
+            for id in event_ids {
+                if let Some(row) = self.inbox(id).await? {
+                    rows.insert((*id).to_owned(), row);
+                }
+            }
+            Ok(rows)
+        }
+    }
+    /// Reads operations by id, without locking (absent ones are left out).
+    fn read_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for id in ids {
+                if let Some(op) = self.read_operation(*id).await? {
+                    ops.insert(*id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Reads and row-locks operations by (namespace, key) (absent ones are left out).
+    fn lock_operations_by_keys(
+        &mut self,
+        keys: &[(String, String)],
+    ) -> impl Future<Output = Result<HashMap<(String, String), Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for key in keys {
+                if let Some(op) = self.lock_operation_by_key(&key.0, &key.1).await? {
+                    ops.insert(key.clone(), op);
+                }
+            }
+            Ok(ops)
+        }
+    }
     /// Serializes policy checks on one entity until the transaction ends (PostgreSQL: a
     /// transaction-scoped advisory lock; SQLite has a single writer already).
     fn lock_entity(&mut self, entity_key: &str) -> impl Future<Output = Result<()>> + Send;
@@ -454,6 +500,25 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     let mut queue = Vec::new();
     let mut outbox = Vec::new();
     let mut decisions: Vec<(usize, IngestDecision, Option<Uuid>)> = Vec::new();
+    // What the duplicates need, read in a few statements rather than one or two per row:
+    // the inbox rows (and operations) of redelivered events, the operations named by
+    // keys that already existed.
+    let redelivered: Vec<&str> = (0..batch.len())
+        .filter(|&i| !fresh[i])
+        .map(|i| deliveries[i].0)
+        .collect();
+    let inbox_rows = tx.inbox_batch(&redelivered).await?;
+    let prior_ids: Vec<Uuid> = inbox_rows.values().filter_map(|r| r.operation_id).collect();
+    let prior = tx.read_operations(&prior_ids).await?;
+    let mut dup_keys: Vec<(String, String)> = candidates
+        .iter()
+        .zip(&created)
+        .filter(|(_, created)| !**created)
+        .map(|(op, _)| (op.namespace.clone(), op.idempotency_key.clone()))
+        .collect();
+    dup_keys.sort();
+    dup_keys.dedup();
+    let mut existing_by_key = tx.lock_operations_by_keys(&dup_keys).await?;
     // Existing operations hit by duplicates in this batch, by key, as they stand now.
     let mut hit: HashMap<(String, String), Operation> = HashMap::new();
     let mut decided: HashMap<&str, (IngestDecision, Option<Operation>)> = HashMap::new();
@@ -465,16 +530,12 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             let (decision, operation) = match decided.get(event_id) {
                 Some((decision, op)) => (decision.clone(), op.clone()),
                 None => {
-                    let row = tx
-                        .inbox(event_id)
-                        .await?
+                    let row = inbox_rows
+                        .get(event_id)
                         .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
-                    let operation = match row.operation_id {
-                        Some(id) => tx.read_operation(id).await?,
-                        None => None,
-                    };
+                    let operation = row.operation_id.and_then(|id| prior.get(&id).cloned());
                     (
-                        IngestDecision::from_row(&row.decision, row.reason),
+                        IngestDecision::from_row(&row.decision, row.reason.clone()),
                         operation,
                     )
                 }
@@ -487,58 +548,58 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             });
             continue;
         }
-        let (decision, operation) =
-            match item {
-                IngestItem::Rejected(rejected) => {
-                    outbox.push(rejection_row(rejected, now)?);
-                    let reason = rejected.rejection.reason.to_owned();
-                    (IngestDecision::Rejected { reason }, None)
-                }
-                IngestItem::Accepted(env) if guarded[i].is_some() => {
-                    let Some((reason, key)) = guarded[i].clone() else {
-                        return Err(Error::Corrupt("guard lost".into()));
+        let (decision, operation) = match item {
+            IngestItem::Rejected(rejected) => {
+                outbox.push(rejection_row(rejected, now)?);
+                let reason = rejected.rejection.reason.to_owned();
+                (IngestDecision::Rejected { reason }, None)
+            }
+            IngestItem::Accepted(env) if guarded[i].is_some() => {
+                let Some((reason, key)) = guarded[i].clone() else {
+                    return Err(Error::Corrupt("guard lost".into()));
+                };
+                let mut existing = match hit.remove(&key) {
+                    Some(op) => op,
+                    None => tx
+                        .lock_operation_by_key(&key.0, &key.1)
+                        .await?
+                        .ok_or_else(|| {
+                            Error::Corrupt(format!("operation for key {} vanished", key.1))
+                        })?,
+                };
+                outbox.push(result_row(
+                    &mut existing,
+                    &env.event_id,
+                    Dedupe::hit(reason),
+                    now,
+                )?);
+                hit.insert(key, existing.clone());
+                let reason = reason.to_owned();
+                (IngestDecision::Deduplicated { reason }, Some(existing))
+            }
+            IngestItem::Accepted(env) => {
+                let c = candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
+                if created[c] {
+                    let mut op = candidates[c].clone();
+                    op.result_seq = 0;
+                    outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
+                    events.push(c);
+                    queue.push(c);
+                    (IngestDecision::Accepted, Some(op))
+                } else {
+                    let key = (env.key.namespace.clone(), env.key.key.clone());
+                    let existing = match hit.remove(&key) {
+                        Some(op) => op,
+                        None => existing_by_key.remove(&key).ok_or_else(|| {
+                            Error::Corrupt(format!("operation for key {} vanished", key.1))
+                        })?,
                     };
-                    let mut existing =
-                        match hit.remove(&key) {
-                            Some(op) => op,
-                            None => tx.lock_operation_by_key(&key.0, &key.1).await?.ok_or_else(
-                                || Error::Corrupt(format!("operation for key {} vanished", key.1)),
-                            )?,
-                        };
-                    outbox.push(result_row(
-                        &mut existing,
-                        &env.event_id,
-                        Dedupe::hit(reason),
-                        now,
-                    )?);
+                    let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
                     hit.insert(key, existing.clone());
-                    let reason = reason.to_owned();
-                    (IngestDecision::Deduplicated { reason }, Some(existing))
+                    (decision, Some(existing))
                 }
-                IngestItem::Accepted(env) => {
-                    let c =
-                        candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
-                    if created[c] {
-                        let mut op = candidates[c].clone();
-                        op.result_seq = 0;
-                        outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
-                        events.push(c);
-                        queue.push(c);
-                        (IngestDecision::Accepted, Some(op))
-                    } else {
-                        let key = (env.key.namespace.clone(), env.key.key.clone());
-                        let existing = match hit.remove(&key) {
-                            Some(op) => op,
-                            None => tx.lock_operation_by_key(&key.0, &key.1).await?.ok_or_else(
-                                || Error::Corrupt(format!("operation for key {} vanished", key.1)),
-                            )?,
-                        };
-                        let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
-                        hit.insert(key, existing.clone());
-                        (decision, Some(existing))
-                    }
-                }
-            };
+            }
+        };
         decisions.push((
             i,
             decision.clone(),

@@ -1,5 +1,6 @@
 //! The PostgreSQL ledger: row locks, `FOR UPDATE SKIP LOCKED`, the database clock.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use opgate_core::{Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
@@ -354,6 +355,72 @@ impl Tx for PgTx {
 
     async fn insert_outbox(&mut self, row: &NewOutbox) -> Result<()> {
         self.insert_outbox_batch(std::slice::from_ref(row)).await
+    }
+
+    async fn inbox_batch(&mut self, event_ids: &[&str]) -> Result<HashMap<String, InboxRow>> {
+        if event_ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let rows: Vec<(String, String, Option<String>, Option<Uuid>)> = sqlx::query_as(
+            "SELECT source_id, decision, reason, operation_id FROM inbox WHERE source_id = ANY($1)",
+        )
+        .bind(event_ids)
+        .fetch_all(&mut *self.0)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, decision, reason, operation_id)| {
+                (
+                    id,
+                    InboxRow {
+                        decision,
+                        reason,
+                        operation_id,
+                    },
+                )
+            })
+            .collect())
+    }
+
+    async fn read_operations(&mut self, ids: &[Uuid]) -> Result<HashMap<Uuid, Operation>> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = ANY($1)"
+        ))
+        .bind(ids)
+        .fetch_all(&mut *self.0)
+        .await?
+        .iter()
+        .map(|row| op_from_row(row).map(|op| (op.operation_id, op)))
+        .collect()
+    }
+
+    async fn lock_operations_by_keys(
+        &mut self,
+        keys: &[(String, String)],
+    ) -> Result<HashMap<(String, String), Operation>> {
+        if keys.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let (namespaces, names): (Vec<&str>, Vec<&str>) =
+            keys.iter().map(|(n, k)| (n.as_str(), k.as_str())).unzip();
+        // Locked in one order (by id) so two batches cannot deadlock on each other.
+        sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations \
+             WHERE (namespace, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+             ORDER BY operation_id FOR UPDATE"
+        ))
+        .bind(namespaces)
+        .bind(names)
+        .fetch_all(&mut *self.0)
+        .await?
+        .iter()
+        .map(|row| {
+            op_from_row(row).map(|op| ((op.namespace.clone(), op.idempotency_key.clone()), op))
+        })
+        .collect()
     }
 
     async fn insert_inbox_batch(
