@@ -23,7 +23,11 @@ use config::Config;
 
 /// opgate: the execution layer between LLM agents and the side effects they ask for.
 #[derive(Debug, Parser)]
-#[command(name = "opgate", version, about)]
+#[command(
+    name = "opgate",
+    version,
+    about = "The execution layer between LLM agents and the side effects they ask for: the model proposes, opgate commits."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -64,7 +68,8 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
     },
-    /// The simulated providers (payments, emails, tickets) with fault injection.
+    /// The simulated providers (payments, emails, tickets, orders, refunds, credits) with
+    /// fault injection and effect counters.
     Sim {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:9400")]
@@ -206,7 +211,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             });
             let (addr, server) = opgate_sim::start(listen, sim).await?;
             println!(
-                "simulated providers on http://{addr} (payments, emails, tickets; GET /effects, POST /faults)"
+                "simulated providers on http://{addr} (payments, emails, tickets, orders, refunds, credits; GET /effects, POST /faults)"
             );
             tokio::select! {
                 () = roles::shutdown_signal() => {}
