@@ -174,24 +174,36 @@ async fn duplicate_key_from_another_event_is_a_dedupe_hit(h: Harness) {
     assert_eq!(dedupe.seq, 2);
 }
 
+/// Ingests each item in its own transaction, all released at once; the outcomes.
+async fn race_ingest(
+    ledger: &Arc<dyn Ledger>,
+    items: Vec<opgate_core::IngestItem>,
+) -> Vec<opgate_store::IngestOutcome> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(items.len()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for item in items {
+        let ledger = ledger.clone();
+        let barrier = barrier.clone();
+        tasks.spawn(async move {
+            barrier.wait().await;
+            ledger.ingest(&[item]).await.expect("ingest").remove(0)
+        });
+    }
+    tasks.join_all().await
+}
+
 async fn concurrent_ingest_of_one_key_makes_one_operation(h: Harness) {
     for round in 0..5 {
-        let barrier = Arc::new(tokio::sync::Barrier::new(8));
-        let mut tasks = tokio::task::JoinSet::new();
-        for n in 0..8 {
-            let ledger = h.ledger.clone();
-            let barrier = barrier.clone();
-            tasks.spawn(async move {
-                let item = pay(
+        let items = (0..8)
+            .map(|n| {
+                pay(
                     &format!("r{round}-e{n}"),
                     &format!("order-{round}"),
                     "10.00",
-                );
-                barrier.wait().await;
-                ledger.ingest(&[item]).await.expect("ingest").remove(0)
-            });
-        }
-        let outcomes = tasks.join_all().await;
+                )
+            })
+            .collect();
+        let outcomes = race_ingest(&h.ledger, items).await;
         let accepted = outcomes
             .iter()
             .filter(|o| o.decision == IngestDecision::Accepted)
@@ -1427,28 +1439,22 @@ async fn stats_show_live_operations_queue_depth_and_relay_backlog(h: Harness) {
 async fn racing_members_of_an_exclusive_group_make_one_operation(h: Harness) {
     // Separate transactions, released together: refunds and credits on one account.
     for round in 0..5 {
-        let barrier = Arc::new(tokio::sync::Barrier::new(8));
-        let mut tasks = tokio::task::JoinSet::new();
-        for n in 0..8 {
-            let ledger = h.ledger.clone();
-            let barrier = barrier.clone();
-            tasks.spawn(async move {
+        let items = (0..8)
+            .map(|n| {
                 let tool = if n % 2 == 0 {
                     "refund_acct"
                 } else {
                     "credit_acct"
                 };
-                let item = item(
+                item(
                     &format!("r{round}-m{n}"),
                     tool,
                     ("account", &format!("acct-{round}")),
                     json!({"amount": format!("{}", 10 + n)}),
-                );
-                barrier.wait().await;
-                ledger.ingest(&[item]).await.expect("ingest").remove(0)
-            });
-        }
-        let outcomes = tasks.join_all().await;
+                )
+            })
+            .collect();
+        let outcomes = race_ingest(&h.ledger, items).await;
         let accepted = outcomes
             .iter()
             .filter(|o| o.decision == IngestDecision::Accepted)

@@ -11,6 +11,8 @@
 
 #![allow(missing_docs)]
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -131,6 +133,25 @@ fn json_of(output: &Output) -> Value {
     serde_json::from_slice(&output.stdout).expect("--json output is JSON")
 }
 
+/// `opgate dev --fresh` on ephemeral ports in `dir`, once its ready file is written.
+fn spawn_dev(dir: &Path, extra: &[&std::ffi::OsStr]) -> (std::process::Child, Value) {
+    let ready_file = dir.join("ready.json");
+    let child = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(["dev", "--fresh"])
+        .args(extra)
+        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+        .arg("--ledger")
+        .arg(dir.join("dev.db"))
+        .arg("--ready-file")
+        .arg(&ready_file)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn opgate dev");
+    (child, wait_for(&ready_file))
+}
+
 fn wait_for(path: &Path) -> Value {
     let started = Instant::now();
     loop {
@@ -148,20 +169,7 @@ fn wait_for(path: &Path) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
     let dir = temp_dir("dev");
-    let ready_file = dir.join("ready.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
-        .args(["dev", "--fresh"])
-        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
-        .arg("--ledger")
-        .arg(dir.join("dev.db"))
-        .arg("--ready-file")
-        .arg(&ready_file)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn opgate dev");
-    let ready = wait_for(&ready_file);
+    let (mut child, ready) = spawn_dev(&dir, &[]);
     let api = ready["api"].as_str().expect("api").to_owned();
     let operator = ready["tokens"]["operator"].as_str().expect("operator");
     let viewer = ready["tokens"]["viewer"].as_str().expect("viewer");
@@ -365,23 +373,7 @@ async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
     drop(producer);
 
     // SIGTERM: drain and exit 0.
-    let pid = child.id().to_string();
-    let killed = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "opgate dev did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = support::terminate(&mut child, "opgate dev");
     assert!(status.success(), "{status}");
 }
 
@@ -408,21 +400,7 @@ external_id_pointer = "/ticket_id"
 "#,
     )
     .expect("config");
-    let ready_file = dir.join("ready.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
-        .args(["dev", "--fresh", "--config"])
-        .arg(&config)
-        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
-        .arg("--ledger")
-        .arg(dir.join("dev.db"))
-        .arg("--ready-file")
-        .arg(&ready_file)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn opgate dev --config");
-    let ready = wait_for(&ready_file);
+    let (mut child, ready) = spawn_dev(&dir, &["--config".as_ref(), config.as_os_str()]);
     let api = ready["api"].as_str().expect("api");
     let operator = ready["tokens"]["operator"].as_str().expect("operator");
     let answer = json_of(&cli(

@@ -4,6 +4,8 @@
 
 #![allow(missing_docs)]
 
+mod support;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -131,15 +133,7 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
     assert_eq!((sim.effects().total, sim.effects().duplicates), (1, 0));
 
     // SIGTERM: the roles drain and the process exits successfully.
-    let pid = child.id().to_string();
-    let term = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill -TERM");
-    assert!(term.success());
-    let status = tokio::task::spawn_blocking(move || child.wait().expect("wait"))
-        .await
-        .expect("join");
+    let status = support::terminate(&mut child, "opgate run");
     assert!(
         status.success(),
         "opgate exited with {status:?} after SIGTERM"

@@ -7,6 +7,8 @@
 #![cfg(feature = "integration")]
 #![allow(missing_docs)]
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -197,24 +199,6 @@ async fn a_proposal_through_kafka_is_answered_on_the_results_topic() {
     assert_eq!(&dedupe[0]["operation_id"], operation, "{results:?}");
     assert_eq!(sim.effects().total, 1, "one charge");
 
-    let pid = child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .expect("kill")
-            .success()
-    );
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "opgate run did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = support::terminate(&mut child, "opgate run");
     assert!(status.success(), "{status}");
 }
