@@ -450,6 +450,62 @@ external_id_pointer = "/ticket_id"
         "{}",
         String::from_utf8_lossy(&refused.stdout)
     );
+    // Bad input to the CLI: a clear error and a non-zero exit, never a crash.
+    for (args, says) in [
+        (
+            vec![
+                "propose",
+                "--tool",
+                "open_case",
+                "--entity",
+                "c9",
+                "--args",
+                "{}",
+            ],
+            "--entity must be `type:id`",
+        ),
+        (
+            vec![
+                "propose",
+                "--tool",
+                "open_case",
+                "--entity",
+                "customer:c9",
+                "--args",
+                "{",
+            ],
+            "--args is not JSON",
+        ),
+        (
+            vec![
+                "propose",
+                "--tool",
+                "open_case",
+                "--entity",
+                "customer:c9",
+                "--args",
+                "[1]",
+            ],
+            "--args must be a JSON object",
+        ),
+        (vec!["ops", "show", "not-an-id"], "invalid_id"),
+        (
+            vec![
+                "ops",
+                "resolve",
+                "01a22a67-018e-721a-9ae6-51b3ab48b013",
+                "--resolution",
+                "succeeded",
+            ],
+            "not_found",
+        ),
+    ] {
+        let out = cli(api, operator, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
     child.kill().expect("kill");
     let _ = child.wait();
 }
