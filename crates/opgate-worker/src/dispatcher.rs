@@ -15,9 +15,9 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::claim_loop::{Loop, handle_all};
 use crate::{Adapters, between, resend_is_safe};
 
 /// Dispatcher settings.
@@ -150,49 +150,26 @@ impl Dispatcher {
     /// Dispatches until cancelled; then stops claiming and lets every call in flight
     /// finish and be recorded (no operation is left half-recorded).
     pub async fn run(self, cancel: CancellationToken) {
-        let tracker = TaskTracker::new();
-        let mut backoff = Duration::from_millis(50);
         info!(owner = %self.inner.config.owner, "dispatcher started");
-        while !cancel.is_cancelled() {
-            let room = self
-                .permits
-                .available_permits()
-                .min(self.inner.config.batch);
-            let pause = if room == 0 {
-                self.inner.config.idle
-            } else {
-                match self.claim(room).await {
-                    Ok(claims) if claims.is_empty() => self.inner.config.idle,
-                    Ok(claims) => {
-                        backoff = Duration::from_millis(50);
-                        for claim in claims {
-                            let Ok(permit) = self.permits.clone().acquire_owned().await else {
-                                break;
-                            };
-                            let this = self.clone();
-                            tracker.spawn(async move {
-                                this.dispatch(claim).await;
-                                drop(permit);
-                            });
-                        }
-                        Duration::ZERO
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "claim failed");
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                        backoff
-                    }
-                }
-            };
-            if !pause.is_zero() {
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
-                    () = cancel.cancelled() => {}
-                }
-            }
-        }
-        tracker.close();
-        tracker.wait().await;
+        let worker = Loop {
+            name: "dispatcher",
+            permits: self.permits.clone(),
+            batch: self.inner.config.batch,
+            idle: self.inner.config.idle,
+        };
+        worker
+            .run(
+                cancel,
+                |room| {
+                    let this = self.clone();
+                    async move { this.claim(room).await }
+                },
+                |claim| {
+                    let this = self.clone();
+                    async move { this.dispatch(claim).await }
+                },
+            )
+            .await;
         info!("dispatcher stopped");
     }
 
@@ -211,14 +188,11 @@ impl Dispatcher {
     /// One round without the loop (tests): claim up to `limit`, dispatch them all, wait.
     pub async fn run_once(&self, limit: usize) -> opgate_store::Result<usize> {
         let claims = self.claim(limit).await?;
-        let n = claims.len();
-        let mut tasks = tokio::task::JoinSet::new();
-        for claim in claims {
+        Ok(handle_all(claims, |claim| {
             let this = self.clone();
-            tasks.spawn(async move { this.dispatch(claim).await });
-        }
-        while tasks.join_next().await.is_some() {}
-        Ok(n)
+            async move { this.dispatch(claim).await }
+        })
+        .await)
     }
 
     /// Calls the tool for one claimed operation and records the outcome.

@@ -13,6 +13,7 @@
 //! `opgate::attempt` target.
 
 mod adapters;
+mod claim_loop;
 mod dispatcher;
 mod reconciler;
 

@@ -23,9 +23,9 @@ use opgate_store::{Claim, ClaimRequest, Recording, SharedLedger};
 use opgate_tools::Lookup;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::claim_loop::{Loop, handle_all};
 use crate::{Adapters, between, resend_is_safe};
 
 /// Reconciler settings.
@@ -87,62 +87,47 @@ impl Reconciler {
 
     /// Reconciles until cancelled, then lets lookups in flight finish and be recorded.
     pub async fn run(self, cancel: CancellationToken) {
-        let tracker = TaskTracker::new();
         info!(owner = %self.config.owner, "reconciler started");
-        while !cancel.is_cancelled() {
-            let pause = match self.claim().await {
-                Ok(claims) if claims.is_empty() => self.config.idle,
-                Ok(claims) => {
-                    for claim in claims {
-                        let Ok(permit) = self.permits.clone().acquire_owned().await else {
-                            break;
-                        };
-                        let this = self.clone();
-                        tracker.spawn(async move {
-                            this.reconcile(claim).await;
-                            drop(permit);
-                        });
-                    }
-                    Duration::ZERO
-                }
-                Err(e) => {
-                    warn!(error = %e, "reconcile claim failed");
-                    Duration::from_secs(1)
-                }
-            };
-            if !pause.is_zero() {
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
-                    () = cancel.cancelled() => {}
-                }
-            }
-        }
-        tracker.close();
-        tracker.wait().await;
+        let worker = Loop {
+            name: "reconciler",
+            permits: self.permits.clone(),
+            batch: self.config.batch,
+            idle: self.config.idle,
+        };
+        worker
+            .run(
+                cancel,
+                |room| {
+                    let this = self.clone();
+                    async move { this.claim(room).await }
+                },
+                |claim| {
+                    let this = self.clone();
+                    async move { this.reconcile(claim).await }
+                },
+            )
+            .await;
         info!("reconciler stopped");
     }
 
-    async fn claim(&self) -> opgate_store::Result<Vec<Claim>> {
+    async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Claim>> {
         self.ledger
             .claim_reconcile(&ClaimRequest {
                 owner: self.config.owner.clone(),
                 lease: self.config.lease,
-                limit: self.config.batch,
+                limit,
             })
             .await
     }
 
     /// One round without the loop (tests): claim, reconcile all, wait.
     pub async fn run_once(&self) -> opgate_store::Result<usize> {
-        let claims = self.claim().await?;
-        let n = claims.len();
-        let mut tasks = tokio::task::JoinSet::new();
-        for claim in claims {
+        let claims = self.claim(self.config.batch).await?;
+        Ok(handle_all(claims, |claim| {
             let this = self.clone();
-            tasks.spawn(async move { this.reconcile(claim).await });
-        }
-        while tasks.join_next().await.is_some() {}
-        Ok(n)
+            async move { this.reconcile(claim).await }
+        })
+        .await)
     }
 
     /// Looks one operation up and records what follows.

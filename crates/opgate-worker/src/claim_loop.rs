@@ -1,0 +1,92 @@
+//! The loop the dispatcher and the reconciler share: claim as many operations as there
+//! is room for, handle each under a concurrency permit, pause when there is nothing to do
+//! (or back off after a failed claim), and on cancellation stop claiming and wait until
+//! everything in flight has been handled and recorded.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use opgate_store::Claim;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::warn;
+
+/// How a worker claims and handles.
+pub(crate) struct Loop {
+    /// For log lines.
+    pub name: &'static str,
+    /// Bounds the operations handled at once.
+    pub permits: Arc<Semaphore>,
+    /// Most operations per claim.
+    pub batch: usize,
+    /// Pause when there is nothing to claim.
+    pub idle: Duration,
+}
+
+impl Loop {
+    /// Runs until `cancel`, then drains.
+    pub(crate) async fn run<C, CF, H, HF>(self, cancel: CancellationToken, mut claim: C, handle: H)
+    where
+        C: FnMut(usize) -> CF,
+        CF: Future<Output = opgate_store::Result<Vec<Claim>>>,
+        H: Fn(Claim) -> HF,
+        HF: Future<Output = ()> + Send + 'static,
+    {
+        let tracker = TaskTracker::new();
+        let mut backoff = Duration::from_millis(50);
+        while !cancel.is_cancelled() {
+            let room = self.permits.available_permits().min(self.batch);
+            let pause = if room == 0 {
+                self.idle
+            } else {
+                match claim(room).await {
+                    Ok(claims) if claims.is_empty() => self.idle,
+                    Ok(claims) => {
+                        backoff = Duration::from_millis(50);
+                        for c in claims {
+                            let Ok(permit) = self.permits.clone().acquire_owned().await else {
+                                break;
+                            };
+                            let work = handle(c);
+                            tracker.spawn(async move {
+                                work.await;
+                                drop(permit);
+                            });
+                        }
+                        Duration::ZERO
+                    }
+                    Err(e) => {
+                        warn!(worker = self.name, error = %e, "claim failed");
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        backoff
+                    }
+                }
+            };
+            if !pause.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = cancel.cancelled() => {}
+                }
+            }
+        }
+        tracker.close();
+        tracker.wait().await;
+    }
+}
+
+/// One round without the loop (tests): handle every claim and wait for all of them.
+pub(crate) async fn handle_all<H, HF>(claims: Vec<Claim>, handle: H) -> usize
+where
+    H: Fn(Claim) -> HF,
+    HF: Future<Output = ()> + Send + 'static,
+{
+    let n = claims.len();
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in claims {
+        tasks.spawn(handle(c));
+    }
+    while tasks.join_next().await.is_some() {}
+    n
+}
