@@ -247,6 +247,33 @@ pub async fn serve(
     Ok((bound, handle))
 }
 
+/// Serves only `GET /metrics` (and `/healthz`), without tokens, on `addr`: for processes
+/// that do not run the admin API (`[metrics] listen`). Bind it to an internal interface.
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    ledger: SharedLedger,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    #[derive(Clone)]
+    struct Scrape {
+        ledger: SharedLedger,
+    }
+    let router = Router::new()
+        .route(
+            "/metrics",
+            get(|State(s): State<Scrape>| async move { render_metrics(&s.ledger).await }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(Scrape { ledger });
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let handle = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "metrics listener stopped");
+        }
+    });
+    Ok((bound, handle))
+}
+
 /// An operation as the API shows it.
 pub fn operation_json(op: &Operation) -> Value {
     json!({
@@ -319,8 +346,12 @@ async fn ready(State(state): State<ApiState>) -> Response {
 /// `GET /metrics` (viewer): this process's counters and the ledger's gauges, in the
 /// Prometheus text format.
 async fn metrics(State(state): State<ApiState>) -> Response {
+    render_metrics(&state.ledger).await
+}
+
+async fn render_metrics(ledger: &SharedLedger) -> Response {
     // Without the ledger, the process's own counters are still worth scraping.
-    let gauges = match state.ledger.stats().await {
+    let gauges = match ledger.stats().await {
         Ok(stats) => Some(ledger_gauges(&stats)),
         Err(e) => {
             tracing::warn!(error = %e, "ledger gauges unavailable for /metrics");

@@ -131,10 +131,19 @@ impl ApiConfig {
     }
 }
 
+/// `[metrics]`: a `/metrics` listener without tokens, for processes without the api role.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address to serve `GET /metrics` on (an internal interface).
+    pub listen: std::net::SocketAddr,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
     api: Option<ApiConfig>,
+    metrics: Option<MetricsConfig>,
     database: Option<DatabaseConfig>,
     kafka: Option<KafkaConfig>,
     limits: Option<LimitsConfig>,
@@ -159,6 +168,8 @@ pub struct Config {
     pub worker: WorkerConfig,
     /// `[api]`.
     pub api: Option<ApiConfig>,
+    /// `[metrics]`.
+    pub metrics: Option<MetricsConfig>,
     /// The tool registry.
     pub registry: Registry,
 }
@@ -173,6 +184,7 @@ pub const ENV_KEYS: &[&str] = &[
     "kafka.batch.max_messages",
     "kafka.batch.max_wait_ms",
     "api.listen",
+    "metrics.listen",
     "worker.lease_ms",
     "worker.batch",
     "worker.concurrency",
@@ -242,6 +254,7 @@ impl Config {
             limits,
             worker: file.worker.unwrap_or_default(),
             api: file.api,
+            metrics: file.metrics,
             registry,
         })
     }
@@ -270,6 +283,7 @@ const STRING_KEYS: &[&str] = &[
     "kafka.group_id",
     "kafka.topic_prefix",
     "api.listen",
+    "metrics.listen",
     "worker.reap_after",
     "worker.reap_every",
 ];

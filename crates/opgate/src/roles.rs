@@ -173,6 +173,20 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             Ok(())
         });
     }
+    if let Some(metrics) = &config.metrics {
+        let (addr, server) = opgate_api::serve_metrics(metrics.listen, ledger.clone())
+            .await
+            .with_context(|| format!("metrics.listen {}", metrics.listen))?;
+        info!(%addr, "metrics listening");
+        let token = cancel.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = server => {}
+                () = token.cancelled() => {}
+            }
+            Ok(())
+        });
+    }
     info!(roles = %roles.join(","), "opgate running");
     Ok(Running {
         cancel,

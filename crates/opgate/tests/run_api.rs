@@ -1,5 +1,6 @@
 //! `opgate run --roles api,dispatch,reconcile` as a real process: a proposal over HTTP is
 //! dispatched to the simulated provider and the long-poll returns the settled operation;
+//! the `[metrics]` listener (set with `--set metrics.listen=...`) serves the counters;
 //! SIGTERM ends the process cleanly.
 
 #![allow(missing_docs)]
@@ -53,6 +54,11 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .local_addr()
         .expect("addr")
         .port();
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
     let config = dir.join("opgate.toml");
     std::fs::write(
         &config,
@@ -71,6 +77,8 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .args(["run", "--config"])
         .arg(&config)
         .args(["--roles", "api,dispatch,reconcile"])
+        .arg("--set")
+        .arg(format!("metrics.listen=127.0.0.1:{metrics_port}"))
         .env("OPGATE_SIM_URL", format!("http://{sim_addr}"))
         .env("TEST_OPERATOR_TOKEN", "s3cret")
         .env("RUST_LOG", "warn")
@@ -131,6 +139,28 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
             .is_some_and(|s| s.starts_with("ch_"))
     );
     assert_eq!((sim.effects().total, sim.effects().duplicates), (1, 0));
+
+    // The `[metrics]` listener serves this process's counters without a token.
+    let metrics = http
+        .get(format!("http://127.0.0.1:{metrics_port}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("body");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "opgate_attempts_total{outcome=\"committed\",tool=\"capture_payment\"} 1"),
+        "{metrics}"
+    );
+    // And the ledger's gauges: no relay runs here, so the results wait in the outbox.
+    let pending = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("opgate_relay_pending "))
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(pending.is_some_and(|n| n >= 3.0), "{metrics}");
 
     // SIGTERM: the roles drain and the process exits successfully.
     let status = support::terminate(&mut child, "opgate run");
