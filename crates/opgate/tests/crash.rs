@@ -12,6 +12,8 @@
 
 #![allow(missing_docs)]
 
+mod support;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -89,7 +91,7 @@ async fn setup(sim_config: SimConfig) -> Setup {
 }
 
 impl Setup {
-    fn spawn(&self, crash_at: Option<&str>) -> Child {
+    fn spawn(&self, crash_at: Option<&str>) -> support::Reaped {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_opgate"));
         cmd.args(["run", "--config"])
             .arg(&self.config)
@@ -104,7 +106,7 @@ impl Setup {
         if let Some(point) = crash_at {
             cmd.env("OPGATE_CRASH_AT", point);
         }
-        cmd.spawn().expect("spawn opgate")
+        support::Reaped::spawn(&mut cmd)
     }
 
     async fn propose(&self, tool: &str, entity: &str, amount: u64) -> Uuid {

@@ -134,21 +134,21 @@ fn json_of(output: &Output) -> Value {
 }
 
 /// `opgate dev --fresh` on ephemeral ports in `dir`, once its ready file is written.
-fn spawn_dev(dir: &Path, extra: &[&std::ffi::OsStr]) -> (std::process::Child, Value) {
+fn spawn_dev(dir: &Path, extra: &[&std::ffi::OsStr]) -> (support::Reaped, Value) {
     let ready_file = dir.join("ready.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_opgate"))
-        .args(["dev", "--fresh"])
-        .args(extra)
-        .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
-        .arg("--ledger")
-        .arg(dir.join("dev.db"))
-        .arg("--ready-file")
-        .arg(&ready_file)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn opgate dev");
+    let child = support::Reaped::spawn(
+        Command::new(env!("CARGO_BIN_EXE_opgate"))
+            .args(["dev", "--fresh"])
+            .args(extra)
+            .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+            .arg("--ledger")
+            .arg(dir.join("dev.db"))
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
     (child, wait_for(&ready_file))
 }
 

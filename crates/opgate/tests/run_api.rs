@@ -73,21 +73,21 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .await
         .expect("sim");
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_opgate"))
-        .args(["run", "--config"])
-        .arg(&config)
-        .args(["--roles", "api,dispatch,reconcile"])
-        .arg("--set")
-        .arg(format!("metrics.listen=127.0.0.1:{metrics_port}"))
-        .env("OPGATE_SIM_URL", format!("http://{sim_addr}"))
-        .env("TEST_OPERATOR_TOKEN", "s3cret")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(
-            std::fs::File::create(dir.join("opgate.log")).expect("log"),
-        ))
-        .spawn()
-        .expect("spawn");
+    let mut child = support::Reaped::spawn(
+        Command::new(env!("CARGO_BIN_EXE_opgate"))
+            .args(["run", "--config"])
+            .arg(&config)
+            .args(["--roles", "api,dispatch,reconcile"])
+            .arg("--set")
+            .arg(format!("metrics.listen=127.0.0.1:{metrics_port}"))
+            .env("OPGATE_SIM_URL", format!("http://{sim_addr}"))
+            .env("TEST_OPERATOR_TOKEN", "s3cret")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("opgate.log")).expect("log"),
+            )),
+    );
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
     let started = Instant::now();

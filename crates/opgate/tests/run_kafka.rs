@@ -126,12 +126,12 @@ async fn a_proposal_through_kafka_is_answered_on_the_results_topic() {
     );
 
     let log = std::fs::File::create(dir.join("opgate.log")).expect("log");
-    let mut child = opgate(&["run", "--roles", "ingest,relay,dispatch,reconcile"])
-        .args(["--set", "worker.lease_ms=5000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .expect("spawn opgate run");
+    let mut child = support::Reaped::spawn(
+        opgate(&["run", "--roles", "ingest,relay,dispatch,reconcile"])
+            .args(["--set", "worker.lease_ms=5000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log)),
+    );
 
     // One record per batch: tansu 0.6 counts a multi-record batch as one offset.
     let producer: FutureProducer = ClientConfig::new()

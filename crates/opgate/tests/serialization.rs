@@ -5,7 +5,9 @@
 
 #![allow(missing_docs)]
 
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use opgate_core::{Delivery, IngestItem, Limits, Proposal, Registry, Source, Status};
@@ -68,19 +70,19 @@ async fn two_dispatcher_processes_serialize_one_entity_in_ingest_order() {
     }
     ledger.ingest(&batch).await.expect("ingest");
 
-    let spawn = |n: usize| -> Child {
-        Command::new(env!("CARGO_BIN_EXE_opgate"))
-            .args(["run", "--config"])
-            .arg(&config)
-            .args(["--roles", "dispatch"])
-            .env("OPGATE_SIM_URL", format!("http://{addr}"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join(format!("dispatcher-{n}.log"))).expect("log"),
-            ))
-            .spawn()
-            .expect("spawn")
+    let spawn = |n: usize| -> support::Reaped {
+        support::Reaped::spawn(
+            Command::new(env!("CARGO_BIN_EXE_opgate"))
+                .args(["run", "--config"])
+                .arg(&config)
+                .args(["--roles", "dispatch"])
+                .env("OPGATE_SIM_URL", format!("http://{addr}"))
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::File::create(dir.join(format!("dispatcher-{n}.log"))).expect("log"),
+                )),
+        )
     };
     let mut children = [spawn(1), spawn(2)];
     let started = Instant::now();
