@@ -39,7 +39,7 @@ pub struct Metrics {
     pub reconciliations: IntCounterVec,
     /// `opgate_reconciliation_lag_seconds{tool}`: how long an unknown outcome took to resolve.
     pub reconciliation_lag: HistogramVec,
-    /// `opgate_compensations_total{tool}`: compensations started.
+    /// `opgate_compensations_total{tool}`: compensations started (retries included).
     pub compensations: IntCounterVec,
     /// `opgate_results_published_total`: result messages the relay had acknowledged.
     pub results_published: IntCounter,
@@ -154,7 +154,7 @@ impl Metrics {
             compensations: counter(
                 &registry,
                 "opgate_compensations_total",
-                "Compensations started, by the compensated tool.",
+                "Compensations started (a retry after a failed one counts again), by the compensated tool.",
                 &["tool"],
             ),
             results_published,

@@ -1062,15 +1062,15 @@ pub(crate) async fn compensate<T: Tx>(
             break;
         };
         let ours = existing.compensates == Some(original.operation_id);
-        if ours && matches!(original.status, Status::Compensating | Status::Compensated) {
-            // Asked again while (or after) the compensation runs: the same compensation.
-            return Ok((original, existing));
-        }
         let failed = matches!(
             existing.status,
             Status::FailedPermanent | Status::Cancelled | Status::Rejected
         );
-        if !(ours && failed) || attempt >= 100 {
+        if ours && !failed {
+            // Asked again while (or after) the compensation runs: the same compensation.
+            return Ok((original, existing));
+        }
+        if !ours || attempt >= 100 {
             return Err(Error::Conflict(format!(
                 "the compensation's key `{}` already names operation {} ({}); resolve it by hand",
                 envelope.key.key,

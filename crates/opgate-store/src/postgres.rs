@@ -406,7 +406,9 @@ impl Tx for PgTx {
         }
         let (namespaces, names): (Vec<&str>, Vec<&str>) =
             keys.iter().map(|(n, k)| (n.as_str(), k.as_str())).unzip();
-        // Locked in one order (by id) so two batches cannot deadlock on each other.
+        // Locked in id order, which avoids most lock-order cycles between batches; the
+        // rest (with rows the guards lock) end in a deadlock error, and the transaction is
+        // re-run like any transient conflict.
         sqlx::query(&format!(
             "SELECT {OP_COLUMNS} FROM operations \
              WHERE (namespace, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \

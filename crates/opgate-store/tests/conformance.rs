@@ -1362,8 +1362,13 @@ async fn a_failed_compensation_leaves_the_effect_standing_and_can_be_retried(h: 
         .expect("read")
         .expect("exists");
     assert_eq!(failed.status, Status::FailedPermanent);
+    // Asked again while the retry runs, and after it succeeded: the retry, not the failure.
+    let (_, again) = l.compensate(&request).await.expect("compensate, running");
+    assert_eq!(again.operation_id, retry.operation_id);
     let original = settle_compensation(l, &retry, Event::Succeed).await;
     assert_eq!(original.status, Status::Compensated);
+    let (_, again) = l.compensate(&request).await.expect("compensate, done");
+    assert_eq!(again.operation_id, retry.operation_id);
     // A compensation's key taken by an operation that is not a compensation of this
     // one is a conflict, never merged.
     let other = completed_charge(l, "c3", "o3").await;

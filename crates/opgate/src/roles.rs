@@ -58,6 +58,59 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let owner = format!("{}-{}", hostname(), std::process::id());
+    // Listeners first: a port that cannot be bound fails the start before any role has
+    // claimed work it would then have to abandon.
+    let mut api_addr = None;
+    if has("api") {
+        let api = config
+            .api
+            .as_ref()
+            .context("the api role needs an [api] table with [[api.tokens]]")?;
+        let tokens = api.tokens()?;
+        anyhow::ensure!(
+            !tokens.is_empty(),
+            "the api role needs at least one [[api.tokens]]"
+        );
+        let mut state =
+            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
+        if let Some(kafka) = &config.kafka {
+            let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
+            state = state.with_check(
+                "broker",
+                Arc::new(move || {
+                    let probe = probe.clone();
+                    Box::pin(async move { probe.check().await })
+                }),
+            );
+        }
+        let (addr, server) = opgate_api::serve(api.listen, state)
+            .await
+            .with_context(|| format!("api.listen {}", api.listen))?;
+        info!(%addr, "admin API listening");
+        api_addr = Some(addr);
+        let token = cancel.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = server => {}
+                () = token.cancelled() => {}
+            }
+            Ok(())
+        });
+    }
+    if let Some(metrics) = &config.metrics {
+        let (addr, server) = opgate_api::serve_metrics(metrics.listen, ledger.clone())
+            .await
+            .with_context(|| format!("metrics.listen {}", metrics.listen))?;
+        info!(%addr, "metrics listening");
+        let token = cancel.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = server => {}
+                () = token.cancelled() => {}
+            }
+            Ok(())
+        });
+    }
     if has("ingest") {
         let worker = opgate_kafka::IngestWorker::new(
             config.kafka()?,
@@ -135,57 +188,6 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                 Ok(())
             });
         }
-    }
-    let mut api_addr = None;
-    if has("api") {
-        let api = config
-            .api
-            .as_ref()
-            .context("the api role needs an [api] table with [[api.tokens]]")?;
-        let tokens = api.tokens()?;
-        anyhow::ensure!(
-            !tokens.is_empty(),
-            "the api role needs at least one [[api.tokens]]"
-        );
-        let mut state =
-            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
-        if let Some(kafka) = &config.kafka {
-            let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
-            state = state.with_check(
-                "broker",
-                Arc::new(move || {
-                    let probe = probe.clone();
-                    Box::pin(async move { probe.check().await })
-                }),
-            );
-        }
-        let (addr, server) = opgate_api::serve(api.listen, state)
-            .await
-            .with_context(|| format!("api.listen {}", api.listen))?;
-        info!(%addr, "admin API listening");
-        api_addr = Some(addr);
-        let token = cancel.child_token();
-        tasks.spawn(async move {
-            tokio::select! {
-                _ = server => {}
-                () = token.cancelled() => {}
-            }
-            Ok(())
-        });
-    }
-    if let Some(metrics) = &config.metrics {
-        let (addr, server) = opgate_api::serve_metrics(metrics.listen, ledger.clone())
-            .await
-            .with_context(|| format!("metrics.listen {}", metrics.listen))?;
-        info!(%addr, "metrics listening");
-        let token = cancel.child_token();
-        tasks.spawn(async move {
-            tokio::select! {
-                _ = server => {}
-                () = token.cancelled() => {}
-            }
-            Ok(())
-        });
     }
     info!(roles = %roles.join(","), "opgate running");
     Ok(Running {
