@@ -239,9 +239,17 @@ async fn crashed_after_dispatched_was_persisted_is_redispatched_once() {
     let charge = s.propose("charge", "b1", 10).await;
     let notify = s.propose("notify", "b2", 10).await;
     let mut crashing = s.spawn(Some("after_claim"));
-    let status = tokio::task::spawn_blocking(move || crashing.wait().expect("wait"))
-        .await
-        .expect("join");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = crashing.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the crash point never fired"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(!status.success(), "the crash point aborted the process");
     let claimed = [charge, notify];
     let mut dispatched = 0;
