@@ -151,6 +151,14 @@ impl From<opgate_store::Error> for ApiError {
             opgate_store::Error::Conflict(message) => {
                 Self::new(StatusCode::CONFLICT, "conflict", message)
             }
+            other if other.is_deterministic() => {
+                tracing::warn!(error = %other, "the ledger refused a value");
+                Self::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "ledger_refused",
+                    "the ledger refused a value of this request (see the opgate log for the database's reason)",
+                )
+            }
             other => {
                 tracing::error!(error = %other, "ledger error in the API");
                 Self::new(
@@ -318,8 +326,11 @@ async fn ready(State(state): State<ApiState>) -> Response {
             failure.get_or_insert(("schema_mismatch", message));
         }
         Err(e) => {
-            body.insert("ledger".into(), json!(e.to_string()));
-            failure.get_or_insert(("ledger_unavailable", e.to_string()));
+            // `/readyz` answers without a token: the database's own words (role,
+            // database and host names) go to the log, not to the caller.
+            tracing::warn!(error = %e, "readiness: the ledger is unavailable");
+            body.insert("ledger".into(), json!("unavailable"));
+            failure.get_or_insert(("ledger_unavailable", "ledger: unavailable".to_owned()));
         }
     }
     for (name, check) in &state.checks {
@@ -328,8 +339,9 @@ async fn ready(State(state): State<ApiState>) -> Response {
                 body.insert((*name).into(), json!("ok"));
             }
             Err(e) => {
-                body.insert((*name).into(), json!(e));
-                failure.get_or_insert(("dependency_unavailable", format!("{name}: {e}")));
+                tracing::warn!(check = *name, error = %e, "readiness: a dependency is unavailable");
+                body.insert((*name).into(), json!("unavailable"));
+                failure.get_or_insert(("dependency_unavailable", format!("{name}: unavailable")));
             }
         }
     }
@@ -651,7 +663,7 @@ async fn propose(
             traceparent: headers
                 .get("traceparent")
                 .and_then(|v| v.to_str().ok())
-                .map(str::to_owned),
+                .and_then(opgate_core::input::traceparent),
         },
     );
     let message = match &item {

@@ -300,6 +300,7 @@ fn prepare_checked(
         canonical_args: &canonical_args,
     })
     .map_err(|e: KeyError| reject("invalid_args", e.to_string()))?;
+    crate::input::check_key(&key.key).map_err(|message| reject("invalid_key", message))?;
     Ok(Envelope {
         event_id: proposal.event_id.clone(),
         delivery,
@@ -338,6 +339,12 @@ key = "payment:{entity}:capture:{args.amount}:{args.currency}"
 [tools.args]
 amount = "money_minor"
 currency = "upper"
+
+[[tools]]
+name = "note"
+side_effect_class = "internal_write"
+key = "note:{entity}:{args.text}"
+required = ["text"]
 "#;
 
     fn proposal(patch: Value) -> Proposal {
@@ -402,5 +409,28 @@ currency = "upper"
         let item =
             IngestItem::from_proposal(&registry, &proposal(json!({"tool": "x"})), delivery());
         assert!(matches!(item, IngestItem::Rejected(r) if r.rejection.reason == "unknown_tool"));
+    }
+
+    /// What lands in a key must be sendable: no control characters, at most 1,024 bytes.
+    #[test]
+    fn a_key_that_cannot_be_sent_is_refused() {
+        let registry = Registry::from_toml(TOOLS).expect("valid");
+        let note = |text: &str| {
+            proposal(
+                json!({"tool": "note", "intent": null, "entity": {"type": "order", "id": "o1"},
+                "args": {"text": text}}),
+            )
+        };
+        let ok = prepare(&registry, &note("hello"), delivery()).expect("fine");
+        assert_eq!(ok.key.key, "note:o1:hello:v1");
+        for (text, fragment) in [
+            ("line\nbreak", "U+000A"),
+            ("tab\there", "U+0009"),
+            (&"x".repeat(1100), "more than the limit of 1024"),
+        ] {
+            let err = prepare(&registry, &note(text), delivery()).expect_err("refused");
+            assert_eq!(err.reason, "invalid_key");
+            assert!(err.message.contains(fragment), "{}", err.message);
+        }
     }
 }

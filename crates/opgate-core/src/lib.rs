@@ -14,6 +14,7 @@ pub mod compensation;
 pub mod decimal;
 pub mod envelope;
 pub mod envsubst;
+pub mod input;
 pub mod key;
 pub mod operation;
 pub mod outcome;

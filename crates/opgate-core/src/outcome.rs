@@ -42,6 +42,9 @@ pub enum AdapterOutcome {
     },
     /// An answer that could not be read; the provider may have acted.
     Malformed,
+    /// opgate refused to send: the request cannot be expressed faithfully (a key that is
+    /// not a valid header value). Nothing left the process, and no retry can help.
+    Unsendable,
 }
 
 impl AdapterOutcome {
@@ -54,6 +57,7 @@ impl AdapterOutcome {
             Self::Rejected { .. } => Some("rejected"),
             Self::ServerError { .. } => Some("server_error"),
             Self::Malformed => Some("malformed_response"),
+            Self::Unsendable => Some("unsendable"),
             Self::Committed { .. } => None,
         }
     }
@@ -102,7 +106,7 @@ pub fn classify(outcome: &AdapterOutcome, contract: Contract) -> Verdict {
             acknowledged: false,
         } => Verdict::Complete,
         AdapterOutcome::Committed { acknowledged: true } => Verdict::Acknowledge,
-        AdapterOutcome::Rejected { .. } => Verdict::FailPermanent,
+        AdapterOutcome::Rejected { .. } | AdapterOutcome::Unsendable => Verdict::FailPermanent,
         AdapterOutcome::NotSent => Verdict::Retry {
             floor: None,
             ambiguous: false,

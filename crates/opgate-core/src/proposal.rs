@@ -6,6 +6,8 @@
 
 use serde_json::{Map, Value};
 
+use crate::input;
+
 /// Size and shape limits applied while decoding a proposal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -135,6 +137,12 @@ pub enum ProposalError {
         /// Size seen.
         actual: usize,
     },
+    /// An object has the same key twice (`{"amount": "1.00", "amount": "1000.00"}`).
+    #[error("field `{field}` appears twice in one object; duplicate keys are ambiguous")]
+    DuplicateKey {
+        /// Path of the repeated key.
+        field: String,
+    },
     /// `args` nests deeper than the limit.
     #[error("field `args` nests {actual} levels deep, more than the limit of {max}")]
     ArgsTooDeep {
@@ -157,6 +165,7 @@ impl ProposalError {
             | Self::WrongType { .. }
             | Self::Empty { .. }
             | Self::Invalid { .. }
+            | Self::DuplicateKey { .. }
             | Self::UnknownField { .. } => "schema_violation",
         }
     }
@@ -168,6 +177,7 @@ impl ProposalError {
             | Self::WrongType { field, .. }
             | Self::Empty { field }
             | Self::Invalid { field, .. }
+            | Self::DuplicateKey { field }
             | Self::UnknownField { field } => Some(field),
             Self::ArgsTooLarge { .. } | Self::ArgsTooDeep { .. } => Some("args"),
             Self::NotJson(_) | Self::MessageTooLarge { .. } => None,
@@ -186,6 +196,7 @@ impl Proposal {
         }
         let value: Value =
             serde_json::from_slice(bytes).map_err(|e| ProposalError::NotJson(e.to_string()))?;
+        input::find_duplicate_key(bytes).map_err(|field| ProposalError::DuplicateKey { field })?;
         Self::from_value(value, limits)
     }
 
@@ -199,7 +210,7 @@ impl Proposal {
         };
         if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
             return Err(ProposalError::UnknownField {
-                field: unknown.clone(),
+                field: input::printable(unknown),
             });
         }
         let args = match obj.remove("args") {
@@ -208,7 +219,17 @@ impl Proposal {
             Some(_) => return Err(wrong_type("args", "a JSON object")),
         };
         check_args_limits(&args, limits)?;
-        Ok(Self {
+        if let Some(field) = obj
+            .iter()
+            .find_map(|(k, v)| input::find_nul(v, k))
+            .or_else(|| input::find_nul(&Value::Object(args.clone()), "args"))
+        {
+            return Err(ProposalError::Invalid {
+                field,
+                message: "must not contain NUL (U+0000)",
+            });
+        }
+        let proposal = Self {
             event_id: required_str(&mut obj, "event_id")?,
             namespace: match optional_str(&mut obj, "namespace")? {
                 None => DEFAULT_NAMESPACE.to_owned(),
@@ -225,17 +246,46 @@ impl Proposal {
             run_id: optional_str(&mut obj, "run_id")?,
             step: match obj.remove("step") {
                 None | Some(Value::Null) => None,
+                // The ledger stores steps as signed 64-bit integers.
                 Some(Value::Number(n)) => Some(
                     n.as_u64()
-                        .ok_or_else(|| wrong_type("step", "a non-negative integer"))?,
+                        .filter(|s| i64::try_from(*s).is_ok())
+                        .ok_or_else(|| wrong_type("step", "an integer from 0 to 2^63-1"))?,
                 ),
-                Some(_) => return Err(wrong_type("step", "a non-negative integer")),
+                Some(_) => return Err(wrong_type("step", "an integer from 0 to 2^63-1")),
             },
             tool: required_str(&mut obj, "tool")?,
             intent: optional_str(&mut obj, "intent")?,
             entity: decode_entity(obj.remove("entity"))?,
             args,
-        })
+        };
+        proposal.check_ids()?;
+        Ok(proposal)
+    }
+
+    /// Every id is at most [`input::MAX_ID_BYTES`] and free of control characters: ids
+    /// land in keys, provider headers, database indexes and log lines.
+    fn check_ids(&self) -> Result<(), ProposalError> {
+        let ids = [
+            ("event_id", Some(&self.event_id)),
+            ("namespace", Some(&self.namespace)),
+            ("agent_id", self.agent_id.as_ref()),
+            ("workflow_id", self.workflow_id.as_ref()),
+            ("run_id", self.run_id.as_ref()),
+            ("tool", Some(&self.tool)),
+            ("intent", self.intent.as_ref()),
+            ("entity.type", Some(&self.entity.kind)),
+            ("entity.id", Some(&self.entity.id)),
+        ];
+        for (field, value) in ids {
+            if let Some(Err(problem)) = value.map(|v| input::check_id(v)) {
+                return Err(ProposalError::Invalid {
+                    field: field.to_owned(),
+                    message: problem.message(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The Kafka key agents use for this proposal: `{entity_type}:{entity_id}`.
@@ -301,7 +351,7 @@ fn decode_entity(value: Option<Value>) -> Result<Entity, ProposalError> {
     };
     if let Some(unknown) = obj.keys().find(|k| *k != "type" && *k != "id") {
         return Err(ProposalError::UnknownField {
-            field: format!("entity.{unknown}"),
+            field: format!("entity.{}", input::printable(unknown)),
         });
     }
     Ok(Entity {
@@ -439,6 +489,11 @@ mod tests {
             (with(example(), &["step"], Some(json!(-1))), "step", "type"),
             (with(example(), &["step"], Some(json!(1.5))), "step", "type"),
             (
+                with(example(), &["step"], Some(json!(u64::MAX))),
+                "step",
+                "type",
+            ),
+            (
                 with(example(), &["arguments"], Some(json!({}))),
                 "arguments",
                 "unknown",
@@ -459,6 +514,93 @@ mod tests {
             assert!(matches_kind, "{field}: expected {kind}, got {err:?}");
             assert!(err.to_string().contains(field), "{err}");
         }
+    }
+
+    /// DESIGN.md section 9: NUL anywhere, control characters and over-long values in
+    /// ids, duplicate keys — each refused, naming the field.
+    #[test]
+    fn hostile_input_is_refused_naming_the_field() {
+        let long = "x".repeat(257);
+        let mut cases: Vec<(String, &str)> = Vec::new();
+        for (path, field) in [
+            (&["event_id"][..], "event_id"),
+            (&["agent_id"][..], "agent_id"),
+            (&["workflow_id"][..], "workflow_id"),
+            (&["run_id"][..], "run_id"),
+            (&["tool"][..], "tool"),
+            (&["intent"][..], "intent"),
+            (&["entity", "type"][..], "entity.type"),
+            (&["entity", "id"][..], "entity.id"),
+        ] {
+            for bad in [
+                "a\\u0000b",
+                "a\\nb",
+                "a\\rb",
+                "a\\u0001",
+                "a\\u007f",
+                long.as_str(),
+            ] {
+                let doc = with(example(), path, Some(json!("PLACEHOLDER")))
+                    .to_string()
+                    .replace("PLACEHOLDER", bad);
+                cases.push((doc, field));
+            }
+        }
+        // NUL inside args: values, nested values and argument names.
+        let nul_value = with(example(), &["args", "note"], Some(json!("PLACEHOLDER")))
+            .to_string()
+            .replace("PLACEHOLDER", "hi\\u0000there");
+        cases.push((nul_value, "args.note"));
+        let nested = with(
+            example(),
+            &["args", "items"],
+            Some(json!([{"n": "PLACEHOLDER"}])),
+        )
+        .to_string()
+        .replace("PLACEHOLDER", "\\u0000");
+        cases.push((nested, "args.items[0].n"));
+        let nul_name = example()
+            .to_string()
+            .replace("\"currency\"", "\"cur\\u0000rency\"");
+        cases.push((nul_name, "args.cur\\0rency"));
+        // Duplicate keys, at the top level and inside args.
+        let dup_args = EXAMPLE.replace(
+            r#""amount": "49.00""#,
+            r#""amount": "1.00", "amount": "1000.00""#,
+        );
+        cases.push((dup_args, "args.amount"));
+        let dup_top = EXAMPLE.replace(
+            r#""tool": "capture_payment""#,
+            r#""tool": "a", "tool": "capture_payment""#,
+        );
+        cases.push((dup_top, "tool"));
+        let dup_entity = EXAMPLE.replace(
+            r#""id": "order_123""#,
+            r#""id": "order_1", "id": "order_123""#,
+        );
+        cases.push((dup_entity, "entity.id"));
+        for (doc, field) in cases {
+            let err = Proposal::decode(doc.as_bytes(), &Limits::default())
+                .expect_err(&format!("{doc} must be refused"));
+            assert_eq!(err.field(), Some(field), "{doc}: {err}");
+            assert_eq!(err.reason(), "schema_violation", "{err}");
+            // The message names the field, with control characters escaped.
+            assert!(!err.to_string().chars().any(input::is_control), "{err:?}");
+        }
+    }
+
+    #[test]
+    fn control_characters_outside_ids_and_long_ids_at_the_limit_are_fine() {
+        let body = with(
+            example(),
+            &["args", "body"],
+            Some(json!("Hello,\n\tworld\r\n")),
+        );
+        let p = decode(body).expect("newlines in an argument value are text");
+        assert_eq!(p.args["body"], json!("Hello,\n\tworld\r\n"));
+        let id = "é".repeat(128); // 256 bytes
+        let p = decode(with(example(), &["entity", "id"], Some(json!(id)))).expect("256 bytes");
+        assert_eq!(p.entity.id.len(), 256);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::Duration;
 use opgate_core::{
     Delivery, IngestItem, Limits, Proposal, Registry, RejectedProposal, Rejection, Source,
 };
-use opgate_store::{IngestDecision, SharedLedger};
+use opgate_store::{IngestDecision, IngestOutcome, SharedLedger};
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
@@ -229,7 +229,18 @@ impl IngestWorker {
             if batch.is_empty() {
                 continue;
             }
-            let stored = self.process(batch, &cancel).await;
+            let stored = match self.process(batch, &cancel).await {
+                Ok(stored) => stored,
+                Err(e) => {
+                    // Offsets already stored for earlier batches are committed; this
+                    // batch's are not, so its records are redelivered to the next member.
+                    if let Err(commit) = self.consumer.commit_consumer_state(CommitMode::Sync) {
+                        debug!(error = %commit, "commit before stopping");
+                    }
+                    warn!(error = %e, "ingest worker stopping");
+                    return Err(e);
+                }
+            };
             if let Some(limit) = self.shared.crash_after_commits {
                 if IngestStats::get(&self.shared.stats.batches) >= limit {
                     warn!("crash point reached: stopping without storing offsets");
@@ -277,8 +288,13 @@ impl IngestWorker {
     }
 
     /// Processes a batch, partitions concurrently; returns (partition, last offset) for
-    /// every partition batch that is stored.
-    async fn process(&self, batch: Vec<Record>, cancel: &CancellationToken) -> Vec<(i32, i64)> {
+    /// every partition batch that is stored. A partition task that panicked is an error:
+    /// the member stops rather than commit later offsets past a batch it never stored.
+    async fn process(
+        &self,
+        batch: Vec<Record>,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<(i32, i64)>> {
         IngestStats::add(&self.shared.stats.records, batch.len() as u64);
         let mut by_partition: BTreeMap<i32, Vec<Record>> = BTreeMap::new();
         for record in batch {
@@ -300,14 +316,18 @@ impl IngestWorker {
             });
         }
         let mut stored = Vec::new();
+        let mut failed = None;
         while let Some(done) = tasks.join_next().await {
             match done {
                 Ok(Some(pair)) => stored.push(pair),
                 Ok(_) => {}
-                Err(e) => warn!(error = %e, "partition task failed"),
+                Err(e) => failed = Some(e.to_string()),
             }
         }
-        stored
+        match failed {
+            Some(e) => Err(Error::PartitionTask(e)),
+            None => Ok(stored),
+        }
     }
 
     fn store_offsets(&self, stored: &[(i32, i64)]) {
@@ -372,7 +392,10 @@ impl Shared {
         let mut delivered = vec![false; dead.len()];
         let mut backoff = crate::stall_backoff();
         loop {
-            match self.try_store(&items, &dead, &mut delivered).await {
+            match self
+                .try_store(&records, &mut items, &dead, &mut delivered)
+                .await
+            {
                 Ok(()) => return true,
                 Err(e) => {
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
@@ -389,7 +412,8 @@ impl Shared {
 
     async fn try_store(
         &self,
-        items: &[IngestItem],
+        records: &[Record],
+        items: &mut [IngestItem],
         dead: &[(&Record, DeadLetter)],
         delivered: &mut [bool],
     ) -> Result<()> {
@@ -400,8 +424,7 @@ impl Shared {
                 IngestStats::add(&self.stats.dead_lettered, 1);
             }
         }
-        let outcomes = self.ledger.ingest(items).await?;
-        IngestStats::add(&self.stats.batches, 1);
+        let outcomes = self.ingest_isolating(records, items).await?;
         for outcome in outcomes {
             let counter = match (&outcome.decision, outcome.inbox_hit) {
                 (_, true) => &self.stats.deduplicated_inbox,
@@ -419,6 +442,116 @@ impl Shared {
         Ok(())
     }
 
+    /// Ingests a partition batch in one transaction; if the ledger refuses it for good
+    /// (a value it cannot hold: [`opgate_store::Error::is_deterministic`]), splits the
+    /// batch in halves, in order, until the refused records are alone, then dead-letters
+    /// each of them (reason `ledger_refused`) and answers it `rejected`. Any other error
+    /// (the ledger or the DLQ is down) is returned, and the caller retries the batch:
+    /// the halves already committed are then inbox hits.
+    async fn ingest_isolating(
+        &self,
+        records: &[Record],
+        items: &mut [IngestItem],
+    ) -> Result<Vec<IngestOutcome>> {
+        let mut outcomes = Vec::with_capacity(items.len());
+        // Ranges still to store, the next one last.
+        let mut pending = Vec::new();
+        pending.push(0..items.len());
+        while let Some(range) = pending.pop() {
+            match self.ledger.ingest(&items[range.clone()]).await {
+                Ok(done) => {
+                    IngestStats::add(&self.stats.batches, 1);
+                    outcomes.extend(done);
+                }
+                Err(e) if e.is_deterministic() && range.len() > 1 => {
+                    let mid = range.start + range.len() / 2;
+                    pending.push(mid..range.end);
+                    pending.push(range.start..mid);
+                }
+                Err(e) if e.is_deterministic() => {
+                    let i = range.start;
+                    let done = self.refused(&records[i], &mut items[i], &e).await?;
+                    IngestStats::add(&self.stats.batches, 1);
+                    outcomes.push(done);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(outcomes)
+    }
+
+    /// A record the ledger cannot hold: dead-lettered with the database's reason, then
+    /// recorded as a rejection that carries nothing of the refused content (its event id
+    /// when the ledger takes it, else the record's coordinates).
+    async fn refused(
+        &self,
+        record: &Record,
+        item: &mut IngestItem,
+        error: &opgate_store::Error,
+    ) -> Result<IngestOutcome> {
+        warn!(partition = record.partition, offset = record.offset, error = %error,
+            "the ledger refused a proposal; dead-lettering it");
+        let message = "the ledger refused a value of this proposal (see the opgate log for the database's reason); it was not ingested".to_owned();
+        let event_id = item.event_id().to_owned();
+        self.dead_letter(
+            record,
+            &DeadLetter {
+                reason: "ledger_refused",
+                field: None,
+                message: message.clone(),
+                event_id: Some(event_id.clone()),
+            },
+        )
+        .await?;
+        IngestStats::add(&self.stats.dead_lettered, 1);
+        let coordinates = self.coordinates(record);
+        let delivery = Delivery {
+            source: Source::Kafka {
+                topic: self.proposals.clone(),
+                partition: record.partition,
+                offset: record.offset,
+            },
+            traceparent: None,
+        };
+        for event_id in [event_id, coordinates] {
+            let rejected = RejectedProposal {
+                event_id,
+                delivery: delivery.clone(),
+                namespace: None,
+                workflow_id: None,
+                step: None,
+                tool: None,
+                entity: None,
+                rejection: Rejection {
+                    reason: "ledger_refused",
+                    message: message.clone(),
+                },
+            };
+            *item = IngestItem::Rejected(Box::new(rejected));
+            match self.ledger.ingest(std::slice::from_ref(item)).await {
+                Ok(mut done) => {
+                    if let Some(outcome) = done.pop() {
+                        return Ok(outcome);
+                    }
+                }
+                Err(e) if e.is_deterministic() => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(Error::Store(opgate_store::Error::Corrupt(format!(
+            "the ledger refused even the rejection of {}",
+            self.coordinates(record)
+        ))))
+    }
+
+    /// `kafka:{topic}:{partition}:{offset}`: the event id of a record whose own cannot be used.
+    fn coordinates(&self, record: &Record) -> String {
+        format!(
+            "kafka:{}:{}:{}",
+            self.proposals, record.partition, record.offset
+        )
+    }
+
     /// Decodes and prepares a record: the ingest item, and a dead letter when the record
     /// is poison (not JSON, schema violation, oversize, unknown tool).
     fn classify(&self, record: &Record) -> (IngestItem, Option<DeadLetter>) {
@@ -428,7 +561,9 @@ impl Shared {
                 partition: record.partition,
                 offset: record.offset,
             },
-            traceparent: record.header(TRACEPARENT),
+            traceparent: record
+                .header(TRACEPARENT)
+                .and_then(|tp| opgate_core::input::traceparent(&tp)),
         };
         let bytes = record.payload.as_deref().unwrap_or_default();
         let mut proposal = match Proposal::decode(bytes, &self.limits) {
@@ -442,12 +577,7 @@ impl Shared {
                     event_id: event_id.clone(),
                 };
                 let rejected = RejectedProposal {
-                    event_id: event_id.unwrap_or_else(|| {
-                        format!(
-                            "kafka:{}:{}:{}",
-                            self.proposals, record.partition, record.offset
-                        )
-                    }),
+                    event_id: event_id.unwrap_or_else(|| self.coordinates(record)),
                     delivery,
                     namespace: None,
                     workflow_id: None,
@@ -463,6 +593,14 @@ impl Shared {
             }
         };
         if let Some(agent) = record.header(AGENT_HEADER) {
+            if let Err(problem) = opgate_core::input::check_id(&agent) {
+                let rejection = Rejection {
+                    reason: "schema_violation",
+                    message: format!("header `{AGENT_HEADER}` {}", problem.message()),
+                };
+                let rejected = RejectedProposal::of(&proposal, delivery, rejection);
+                return (IngestItem::Rejected(Box::new(rejected)), None);
+            }
             match &proposal.agent_id {
                 None => proposal.agent_id = Some(agent),
                 Some(claimed) if *claimed != agent => {
@@ -546,12 +684,13 @@ impl Shared {
     }
 }
 
-/// The `event_id` of a message that is JSON but not a valid proposal, when readable.
+/// The `event_id` of a message that is JSON but not a valid proposal, when readable and
+/// itself a valid id (a refused id must not reach the inbox).
 fn best_effort_event_id(bytes: &[u8]) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
     value
         .get("event_id")?
         .as_str()
-        .filter(|s| !s.trim().is_empty())
+        .filter(|s| !s.trim().is_empty() && opgate_core::input::check_id(s).is_ok())
         .map(str::to_owned)
 }

@@ -40,6 +40,9 @@ pub enum Error {
     /// A topic administration failure.
     #[error("topics: {0}")]
     Admin(String),
+    /// A partition task panicked; the member stops without committing past its batch.
+    #[error("a partition task failed: {0}")]
+    PartitionTask(String),
     /// A test crash point fired.
     #[error("crash point reached")]
     Crashed,

@@ -59,20 +59,80 @@ pub enum Error {
     Corrupt(String),
 }
 
+/// The unique index that keeps one write in flight per entity (both dialects).
+pub(crate) const ENTITY_INDEX: &str = "operations_one_write_in_flight";
+
 impl Error {
     /// Transient conflicts worth retrying the whole transaction for: serialization
-    /// failure (40001), deadlock (40P01), a unique race (23505) on PostgreSQL, and a
-    /// busy or locked database on SQLite.
+    /// failure (40001), deadlock (40P01), a lost race on a unique index other than the
+    /// per-entity one (23505) on PostgreSQL, a busy or locked database on SQLite, and a
+    /// pool that timed out.
+    ///
+    /// A hit on the per-entity index is not transient by itself: it means another write
+    /// on the entity is in flight, which may last minutes ([`Self::is_entity_busy`]).
     pub fn is_transient(&self) -> bool {
         let Self::Database(sqlx::Error::Database(db)) = self else {
             return matches!(self, Self::Database(sqlx::Error::PoolTimedOut));
         };
         match db.code().as_deref() {
-            Some("40001" | "40P01" | "23505") => true,
+            Some("40001" | "40P01") => true,
+            Some("23505") => !self.is_entity_busy(),
             // SQLITE_BUSY (5), SQLITE_LOCKED (6) and their extended codes.
             Some(code) => code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6)),
             None => false,
         }
+    }
+
+    /// The per-entity unique index refused the write: another write on the same entity
+    /// holds it (dispatched, unresolved or compensating).
+    pub fn is_entity_busy(&self) -> bool {
+        let Self::Database(sqlx::Error::Database(db)) = self else {
+            return false;
+        };
+        if db.constraint() == Some(ENTITY_INDEX) {
+            return true;
+        }
+        // SQLite names the columns, not the index: `UNIQUE constraint failed: operations.entity_key`.
+        db.code().as_deref() == Some("2067") && db.message().contains("operations.entity_key")
+    }
+
+    /// For a claim, a hit on the per-entity index is a race between two claimers of one
+    /// entity's operations: retrying finds the entity held and claims something else.
+    pub fn is_claim_race(&self) -> bool {
+        self.is_transient() || self.is_entity_busy()
+    }
+
+    /// A person's command that would make a second write hold an entity (a compensation
+    /// while another write on the entity is in flight) is a conflict to report, not an
+    /// outage: 409, try again once the other write settles.
+    pub fn entity_busy_is_a_conflict(self) -> Self {
+        if self.is_entity_busy() {
+            Self::Conflict(
+                "another write on this entity is in flight; try again once it has settled".into(),
+            )
+        } else {
+            self
+        }
+    }
+
+    /// The database refused a value, and will refuse it every time: the input, not the
+    /// database, is at fault, so retrying cannot help. PostgreSQL: class 22 (data
+    /// exception: NUL in text, 22P05 in jsonb, 22001 too long, invalid encoding 22021),
+    /// class 54 (program limit: 54000 an index row too large), 23502 (not null) and 23514
+    /// (check). SQLite: TOOBIG (18), MISMATCH (20), CHECK (275), NOTNULL (1299).
+    pub fn is_deterministic(&self) -> bool {
+        let Self::Database(sqlx::Error::Database(db)) = self else {
+            return false;
+        };
+        let Some(code) = db.code() else {
+            return false;
+        };
+        code.starts_with("22")
+            || code.starts_with("54")
+            || matches!(
+                code.as_ref(),
+                "23502" | "23514" | "18" | "20" | "275" | "1299"
+            )
     }
 }
 

@@ -73,7 +73,10 @@ impl SqliteLedger {
 
 /// See the PostgreSQL twin: commit on success, retry on transient conflicts.
 macro_rules! in_tx {
-    ($self:ident, |$tx:ident| $body:expr) => {{
+    ($self:ident, |$tx:ident| $body:expr) => {
+        in_tx!($self, Error::is_transient, |$tx| $body)
+    };
+    ($self:ident, $retry_when:expr, |$tx:ident| $body:expr) => {{
         use backon::Retryable as _;
         (|| async {
             let mut $tx = $self.begin().await?;
@@ -82,7 +85,7 @@ macro_rules! in_tx {
             Ok::<_, Error>(out)
         })
         .retry(crate::retry_policy())
-        .when(Error::is_transient)
+        .when($retry_when)
         .await
     }};
 }
@@ -612,7 +615,10 @@ impl Ledger for SqliteLedger {
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
-        in_tx!(self, |tx| flow::claim(&mut tx, request).await?)
+        in_tx!(self, Error::is_claim_race, |tx| flow::claim(
+            &mut tx, request
+        )
+        .await?)
     }
 
     async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
@@ -625,10 +631,12 @@ impl Ledger for SqliteLedger {
 
     async fn apply(&self, command: &Command) -> Result<Operation> {
         in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+            .map_err(Error::entity_busy_is_a_conflict)
     }
 
     async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)> {
         in_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
+            .map_err(Error::entity_busy_is_a_conflict)
     }
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {

@@ -69,6 +69,7 @@ conformance!(
     racing_members_of_an_exclusive_group_make_one_operation,
     the_key_decides_before_the_guards,
     a_compensation_passes_writes_queued_behind_its_original,
+    compensating_while_another_write_is_in_flight_is_a_conflict,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1548,4 +1549,50 @@ async fn a_compensation_passes_writes_queued_behind_its_original(h: Harness) {
     // Then the waiting write.
     let next = claim_one(l, "w").await;
     assert_eq!(next.operation.canonical_args, json!({"amount": 20}));
+}
+
+/// A compensation needs its entity; while another write on it is dispatched, asking is
+/// a conflict to report (409 over HTTP), not a database outage (it used to be retried as
+/// transient, then answered `503 ledger_unavailable`).
+async fn compensating_while_another_write_is_in_flight_is_a_conflict(h: Harness) {
+    let l = h.ledger.as_ref();
+    let charged = completed_charge(l, "c1", "o1").await;
+    l.ingest(&[item("c2", "charge", ("order", "o1"), json!({"amount": 20}))])
+        .await
+        .expect("ingest");
+    let in_flight = claim_one(l, "w").await;
+    assert_eq!(in_flight.operation.canonical_args, json!({"amount": 20}));
+    let started = std::time::Instant::now();
+    let refused = l.compensate(&compensation_request(&charged)).await;
+    assert!(
+        matches!(&refused, Err(Error::Conflict(m)) if m.contains("in flight")),
+        "{refused:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered at once, not after retries"
+    );
+    // Nothing changed: the original is still completed, and once the other write has
+    // settled the compensation goes through.
+    let original = l
+        .operation(charged.operation_id)
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(original.status, Status::CompletedSuccess);
+    record_ok(
+        l,
+        Recording::new(
+            in_flight.operation.operation_id,
+            in_flight.operation.lease_epoch,
+            Event::Succeed,
+            "ok",
+        ),
+    )
+    .await;
+    let (original, _) = l
+        .compensate(&compensation_request(&charged))
+        .await
+        .expect("compensate once the entity is free");
+    assert_eq!(original.status, Status::Compensating);
 }

@@ -244,6 +244,21 @@ pub fn classify_response(
     (outcome, parsed)
 }
 
+/// The report of a call refused before sending: a required header value is not valid.
+fn unsendable(header: &HeaderName) -> CallReport {
+    CallReport {
+        outcome: AdapterOutcome::Unsendable,
+        http_status: None,
+        result: None,
+        external_id: None,
+        provider_request_id: None,
+        latency: Duration::ZERO,
+        detail: Some(format!(
+            "the value of header `{header}` is not a valid HTTP header value; nothing was sent"
+        )),
+    }
+}
+
 /// The outcome of a transport error.
 fn classify_error(error: &reqwest::Error) -> AdapterOutcome {
     if error.is_connect() || error.is_builder() {
@@ -262,21 +277,30 @@ impl ToolAdapter for HttpAdapter {
         let mut tracing_headers: BTreeMap<&str, String> = BTreeMap::new();
         tracing_headers.insert(OPERATION_HEADER, op.operation_id.to_string());
         tracing_headers.insert(ATTEMPT_HEADER, request.attempt_id.to_string());
-        tracing_headers.insert(
-            ENTITY_HEADER,
-            format!("{}:{}", op.entity.kind, op.entity.id),
-        );
         if let Some(tp) = &op.traceparent {
             tracing_headers.insert("traceparent", tp.clone());
         }
         for (name, value) in tracing_headers {
+            // A traceparent is advisory: one that is not a valid header value is left out.
             if let Ok(value) = HeaderValue::try_from(value) {
                 headers.insert(name, value);
             }
         }
-        if let Some(header) = &self.idempotency_header {
-            if let Ok(value) = HeaderValue::try_from(request.provider_key) {
-                headers.insert(header.clone(), value);
+        // The key and the entity are not advisory: a call without them could duplicate
+        // an effect, so a value that cannot travel in a header stops the call here.
+        let entity = format!("{}:{}", op.entity.kind, op.entity.id);
+        let required = std::iter::once((HeaderName::from_static(ENTITY_HEADER), entity.as_str()))
+            .chain(
+                self.idempotency_header
+                    .iter()
+                    .map(|h| (h.clone(), request.provider_key)),
+            );
+        for (name, value) in required {
+            match HeaderValue::from_str(value) {
+                Ok(value) => {
+                    headers.insert(name, value);
+                }
+                Err(_) => return unsendable(&name),
             }
         }
         let started = Instant::now();

@@ -117,3 +117,42 @@ async fn a_connection_reset_after_the_request_is_sent_no_answer() {
     let outcome = call(&adapter(&format!("http://{addr}/x"), 2000)).await;
     assert_eq!(outcome, AdapterOutcome::SentNoAnswer);
 }
+
+/// A key or entity that cannot travel in a header stops the call before anything is
+/// sent: no connection is even opened (an accepted connection would fail the test).
+#[tokio::test]
+async fn a_key_or_entity_that_is_not_a_header_value_is_never_sent() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let adapter = adapter(&format!("http://{addr}/x"), 500);
+    let bad_key = operation();
+    let mut bad_entity = operation();
+    bad_entity.entity.id = "o\r\nX-Injected: 1".into();
+    let cases = [
+        (bad_key.clone(), "default/k\n:v1"),
+        (bad_key, "default/k\u{7f}:v1"),
+        (bad_entity, "default/k:v1"),
+    ];
+    for (op, key) in cases {
+        let report = adapter
+            .dispatch(&DispatchRequest {
+                operation: &op,
+                attempt_id: Uuid::now_v7(),
+                provider_key: key,
+            })
+            .await;
+        assert_eq!(report.outcome, AdapterOutcome::Unsendable, "{key:?}");
+        assert!(
+            report
+                .detail
+                .as_deref()
+                .unwrap_or_default()
+                .contains("nothing was sent"),
+            "{report:?}"
+        );
+    }
+    let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+    assert!(accepted.is_err(), "a connection reached the provider");
+}

@@ -1,0 +1,324 @@
+//! Hostile records on the Kafka path: bytes that a database cannot hold must never wedge
+//! a partition, stop the other partitions or vanish without an answer. Plain `cargo test`
+//! runs on librdkafka's mock cluster and SQLite; `--features integration` on a real
+//! broker and PostgreSQL (where a NUL or a 3 KB index entry used to wedge ingest).
+
+#![allow(missing_docs)]
+
+mod common;
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use opgate_core::{IngestItem, Limits, Operation};
+use opgate_kafka::IngestStats;
+use opgate_kafka::config::PROPOSALS;
+use opgate_store::{IngestOutcome, Ledger, SharedLedger};
+use rand::{Rng, SeedableRng};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::producer::FutureRecord;
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::json;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Produces each (partition, value) in order, waiting for every acknowledgement.
+async fn produce_to(env: &Env, records: &[(i32, Vec<u8>)]) {
+    let producer = producer(env);
+    let topic = env.topic(PROPOSALS);
+    for (partition, value) in records {
+        producer
+            .send(
+                FutureRecord::to(&topic)
+                    .partition(*partition)
+                    .key("k")
+                    .payload(value),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("acknowledged");
+    }
+}
+
+fn good(event_id: &str, order: &str) -> Vec<u8> {
+    json!({"event_id": event_id, "namespace": "acme", "tool": "pay",
+        "entity": {"type": "order", "id": order}, "args": {"amount": "1", "currency": "usd"}})
+    .to_string()
+    .into_bytes()
+}
+
+/// The group's committed offset of each partition.
+fn committed(env: &Env, partitions: i32) -> Vec<i64> {
+    let mut config = env.config.client_config().expect("config");
+    config.set("group.id", &env.config.group_id);
+    let consumer: BaseConsumer = config.create().expect("consumer");
+    let topic = env.topic(PROPOSALS);
+    let mut list = TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition(&topic, p);
+    }
+    let offsets = consumer
+        .committed_offsets(list, Duration::from_secs(10))
+        .expect("committed offsets");
+    (0..partitions)
+        .map(
+            |p| match offsets.find_partition(&topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => -1,
+            },
+        )
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_nul_record_and_a_3kb_id_between_good_records_are_refused_and_every_partition_moves_on() {
+    let env = env(3).await;
+    // 3,000 characters of random hex: incompressible, past PostgreSQL's btree entry limit.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let huge: String = (0..3000)
+        .map(|_| char::from_digit(rng.random_range(0..16), 16).unwrap_or('0'))
+        .collect();
+    let nul = br#"{"event_id": "nul-1", "namespace": "acme", "tool": "pay", "entity": {"type": "order", "id": "o\u0000x"}, "args": {"amount": "1", "currency": "usd"}}"#.to_vec();
+    let long = json!({"event_id": huge, "namespace": "acme", "tool": "pay",
+        "entity": {"type": "order", "id": "o9"}, "args": {"amount": "1", "currency": "usd"}})
+    .to_string()
+    .into_bytes();
+    let records = vec![
+        (0, good("p0-a", "a")),
+        (0, nul.clone()),
+        (0, good("p0-b", "b")),
+        (0, long.clone()),
+        (0, good("p0-c", "c")),
+        (1, good("p1-a", "d")),
+        (1, good("p1-b", "e")),
+        (2, good("p2-a", "f")),
+    ];
+    produce_to(&env, &records).await;
+    let worker = start_worker(&env, Limits::default(), 100);
+    let stats = worker.stats.clone();
+    eventually("every record ingested", WAIT, || async {
+        IngestStats::get(&stats.records) >= 8
+            && IngestStats::get(&stats.accepted) + IngestStats::get(&stats.rejected) >= 8
+    })
+    .await;
+    eventually("offsets committed on every partition", WAIT, || async {
+        committed(&env, 3) == vec![5, 2, 1]
+    })
+    .await;
+    worker.stop().await;
+
+    assert_eq!(IngestStats::get(&stats.accepted), 6, "every good record");
+    assert_eq!(IngestStats::get(&stats.rejected), 2);
+    assert_eq!(IngestStats::get(&stats.dead_lettered), 2);
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM inbox WHERE decision = 'accepted'")
+            .await,
+        6
+    );
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM result_outbox WHERE status = 'rejected'")
+            .await,
+        2,
+        "both refused records are answered"
+    );
+    let letters = read_topic(&env, DLQ_TOPIC, 2, WAIT).await;
+    assert_eq!(letters.len(), 2);
+    for m in &letters {
+        let h = headers_of(m);
+        assert_eq!(h["opgate.dlq.reason"], "schema_violation");
+        assert_eq!(h["opgate.dlq.source.partition"], "0");
+        assert!(
+            matches!(h["opgate.dlq.field"].as_str(), "entity.id" | "event_id"),
+            "{h:?}"
+        );
+        assert!(m.payload() == Some(&nul[..]) || m.payload() == Some(&long[..]));
+    }
+    // The refused ids went nowhere near the inbox: the 3 KB one is answered under the
+    // record's coordinates.
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM inbox WHERE source_id LIKE 'kafka:%'")
+            .await,
+        1
+    );
+}
+
+/// A fake database error with a SQLSTATE, as the ledger would raise for a value it
+/// cannot hold.
+#[derive(Debug)]
+struct Refused(&'static str);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "refused with SQLSTATE {}", self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl sqlx::error::DatabaseError for Refused {
+    fn message(&self) -> &str {
+        "unsupported Unicode escape sequence"
+    }
+    fn code(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(self.0))
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        sqlx::error::ErrorKind::Other
+    }
+}
+
+/// A ledger that refuses, like PostgreSQL refuses a NUL, every batch holding a proposal
+/// whose `args.note` is `refuse-me` — a value opgate's own checks let through.
+struct Refusing(SharedLedger);
+
+#[async_trait::async_trait]
+impl Ledger for Refusing {
+    async fn ingest(&self, batch: &[IngestItem]) -> opgate_store::Result<Vec<IngestOutcome>> {
+        let poisoned = batch.iter().any(|item| {
+            matches!(item, IngestItem::Accepted(env) if env.canonical_args["note"] == "refuse-me")
+        });
+        if poisoned {
+            return Err(opgate_store::Error::Database(sqlx::Error::Database(
+                Box::new(Refused("22P05")),
+            )));
+        }
+        self.0.ingest(batch).await
+    }
+    async fn claim(
+        &self,
+        r: &opgate_store::ClaimRequest,
+    ) -> opgate_store::Result<Vec<opgate_store::Claim>> {
+        self.0.claim(r).await
+    }
+    async fn record(
+        &self,
+        r: &[opgate_store::Recording],
+    ) -> opgate_store::Result<Vec<opgate_store::Result<Operation>>> {
+        self.0.record(r).await
+    }
+    async fn claim_reconcile(
+        &self,
+        r: &opgate_store::ClaimRequest,
+    ) -> opgate_store::Result<Vec<opgate_store::Claim>> {
+        self.0.claim_reconcile(r).await
+    }
+    async fn apply(&self, c: &opgate_store::Command) -> opgate_store::Result<Operation> {
+        self.0.apply(c).await
+    }
+    async fn compensate(
+        &self,
+        r: &opgate_store::CompensationRequest,
+    ) -> opgate_store::Result<(Operation, Operation)> {
+        self.0.compensate(r).await
+    }
+    async fn claim_results(
+        &self,
+        r: &opgate_store::ClaimRequest,
+    ) -> opgate_store::Result<Vec<opgate_store::OutboxRow>> {
+        self.0.claim_results(r).await
+    }
+    async fn mark_published(&self, ids: &[i64]) -> opgate_store::Result<()> {
+        self.0.mark_published(ids).await
+    }
+    async fn operation(&self, id: Uuid) -> opgate_store::Result<Option<Operation>> {
+        self.0.operation(id).await
+    }
+    async fn operation_by_key(
+        &self,
+        ns: &str,
+        key: &str,
+    ) -> opgate_store::Result<Option<Operation>> {
+        self.0.operation_by_key(ns, key).await
+    }
+    async fn events(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::OperationEvent>> {
+        self.0.events(id).await
+    }
+    async fn attempts(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::Attempt>> {
+        self.0.attempts(id).await
+    }
+    async fn list(&self, f: &opgate_store::ListFilter) -> opgate_store::Result<opgate_store::Page> {
+        self.0.list(f).await
+    }
+    async fn reap(&self, r: Duration) -> opgate_store::Result<opgate_store::ReapStats> {
+        self.0.reap(r).await
+    }
+    async fn stats(&self) -> opgate_store::Result<opgate_store::LedgerStats> {
+        self.0.stats().await
+    }
+    async fn schema_status(&self) -> opgate_store::Result<opgate_store::SchemaStatus> {
+        self.0.schema_status().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
+    let mut env = env(1).await;
+    env.ledger = Arc::new(Refusing(env.ledger.clone()));
+    let refused = |event_id: &str| {
+        json!({"event_id": event_id, "namespace": "acme", "tool": "email",
+            "entity": {"type": "user", "id": event_id}, "args": {"to": "a@example.com", "note": "refuse-me"}})
+        .to_string()
+        .into_bytes()
+    };
+    let mut records: Vec<(i32, Vec<u8>)> = (0..20)
+        .map(|i| (0, good(&format!("g{i}"), &format!("o{i}"))))
+        .collect();
+    records.insert(3, (0, refused("bad-1")));
+    records.insert(15, (0, refused("bad-2")));
+    produce_to(&env, &records).await;
+    // One batch of all 22 records: the refusal must be bisected out of it.
+    let worker = start_worker(&env, Limits::default(), 100);
+    let stats = worker.stats.clone();
+    eventually("every record answered", WAIT, || async {
+        IngestStats::get(&stats.accepted) + IngestStats::get(&stats.rejected) >= 22
+    })
+    .await;
+    eventually("the offset moved past the batch", WAIT, || async {
+        committed(&env, 1) == vec![22]
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(IngestStats::get(&stats.accepted), 20);
+    assert_eq!(IngestStats::get(&stats.rejected), 2);
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM inbox WHERE decision = 'rejected' AND source_id IN ('bad-1', 'bad-2')")
+            .await,
+        2,
+        "answered under their own event ids"
+    );
+    let letters = read_topic(&env, DLQ_TOPIC, 2, WAIT).await;
+    assert_eq!(letters.len(), 2);
+    for m in &letters {
+        let h = headers_of(m);
+        assert_eq!(h["opgate.dlq.reason"], "ledger_refused");
+        assert!(matches!(
+            h["opgate.dlq.event_id"].as_str(),
+            "bad-1" | "bad-2"
+        ));
+    }
+    relay_all(&env).await;
+    let results = read_topic(&env, RESULTS_TOPIC, 22, WAIT).await;
+    let refusals = results
+        .iter()
+        .map(json_of)
+        .filter(|r| r["status"] == "rejected")
+        .collect::<Vec<_>>();
+    assert_eq!(refusals.len(), 2);
+    for r in refusals {
+        assert_eq!(r["error"]["category"], "ledger_refused", "{r}");
+    }
+}
