@@ -392,6 +392,7 @@ async fn approve_and_resolve_change_the_ledger_and_publish_results() {
             owner: "w".into(),
             lease: Duration::from_secs(60),
             limit: 1,
+            ..Default::default()
         })
         .await
         .expect("claim")
@@ -444,6 +445,7 @@ async fn approve_and_resolve_change_the_ledger_and_publish_results() {
             owner: "relay".into(),
             lease: Duration::from_secs(60),
             limit: 100,
+            ..Default::default()
         })
         .await
         .expect("results");
@@ -491,6 +493,7 @@ async fn get_with_wait_long_polls_until_settled_or_timeout() {
                 owner: "w".into(),
                 lease: Duration::from_secs(60),
                 limit: 1,
+                ..Default::default()
             })
             .await
             .expect("claim")

@@ -18,6 +18,7 @@ pub mod input;
 pub mod key;
 pub mod operation;
 pub mod outcome;
+pub mod policy;
 pub mod proposal;
 pub mod registry;
 pub mod retry;

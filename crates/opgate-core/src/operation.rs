@@ -69,6 +69,10 @@ pub struct Operation {
     pub first_attempt_at: Option<OffsetDateTime>,
     /// Since when the outcome has been unknown (cleared when resolved).
     pub unknown_since: Option<OffsetDateTime>,
+    /// When the first attempt that may have taken effect started; cleared only when a
+    /// lookup proves the effect absent or a person resolves it
+    /// ([`crate::policy`]).
+    pub ambiguous_since: Option<OffsetDateTime>,
     /// When the next attempt (or lookup) may run.
     pub next_attempt_at: Option<OffsetDateTime>,
     /// Current lease holder.
@@ -192,6 +196,7 @@ impl Operation {
             attempt_count: 0,
             first_attempt_at: None,
             unknown_since: None,
+            ambiguous_since: None,
             next_attempt_at: None,
             lease_owner: None,
             lease_expires_at: None,

@@ -585,6 +585,22 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
                 format!("placeholder `{bad}` is not available at dispatch"),
             ));
         }
+        if raw.side_effect_class == SideEffectClass::ExternalNonIdempotent {
+            // The class says the provider does not dedupe: settings that only make sense
+            // for a provider that does would turn an ambiguous attempt into a blind resend.
+            if adapter.five_xx == FiveXx::Retryable {
+                return Err(err(
+                    "adapter.five_xx",
+                    "`retryable` would resend a call whose 500 may have been committed, and an external_non_idempotent provider cannot dedupe the resend; use `unknown` (or declare the class external_idempotent if the provider honours the key)".into(),
+                ));
+            }
+            if adapter.idempotency_header.is_some() && adapter.provider_retention.is_some() {
+                return Err(err(
+                    "adapter.provider_retention",
+                    "an external_non_idempotent tool does not honour keys, so no retention makes a resend safe; if the provider dedupes on `idempotency_header`, declare the class external_idempotent".into(),
+                ));
+            }
+        }
         let lookup_url = adapter
             .lookup_url
             .as_deref()
@@ -725,7 +741,11 @@ charge_id = "trim"
     }
 
     fn one_tool(body: &str) -> String {
-        format!("[[tools]]\nname = \"t\"\nside_effect_class = \"external_idempotent\"\n{body}")
+        one_tool_of("external_idempotent", body)
+    }
+
+    fn one_tool_of(class: &str, body: &str) -> String {
+        format!("[[tools]]\nname = \"t\"\nside_effect_class = \"{class}\"\n{body}")
     }
 
     #[test]
@@ -790,6 +810,22 @@ charge_id = "trim"
                 "only applies",
             ),
             (one_tool("key_version = 0"), "key_version", "1 or more"),
+            (
+                one_tool_of(
+                    "external_non_idempotent",
+                    "[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nfive_xx = \"retryable\"",
+                ),
+                "adapter.five_xx",
+                "may have been committed",
+            ),
+            (
+                one_tool_of(
+                    "external_non_idempotent",
+                    "[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nidempotency_header = \"Idempotency-Key\"\nprovider_retention = \"24h\"",
+                ),
+                "adapter.provider_retention",
+                "does not honour keys",
+            ),
         ];
         for (toml, field, fragment) in cases {
             match expect_err(&toml) {

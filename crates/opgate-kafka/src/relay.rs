@@ -58,6 +58,7 @@ impl ResultsRelay {
                 owner: owner.into(),
                 lease,
                 limit: batch.max(1),
+                ..Default::default()
             },
             idle: Duration::from_millis(50),
         })

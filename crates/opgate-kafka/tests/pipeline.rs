@@ -402,6 +402,7 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
             owner: "relay-a".into(),
             lease: Duration::from_millis(300),
             limit: 500,
+            ..Default::default()
         })
         .await
         .expect("lease");

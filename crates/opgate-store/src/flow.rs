@@ -10,6 +10,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use opgate_core::envelope::Envelope;
+use opgate_core::policy::{self, Ambiguity};
 use opgate_core::registry::KeyStrategy;
 use opgate_core::{
     Dedupe, Delivery, ErrorInfo, Event, IngestItem, Operation, RejectedProposal, Rejection,
@@ -269,12 +270,14 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
-    /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones.
+    /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones and
+    /// those of `skip_tools`; returns each with its tool.
     fn pick_claimable(
         &mut self,
         now: OffsetDateTime,
         limit: usize,
-    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+        skip_tools: &[String],
+    ) -> impl Future<Output = Result<Vec<(Uuid, String)>>> + Send;
     /// Locks up to `limit` dispatched operations whose lease expired.
     fn pick_expired(
         &mut self,
@@ -713,9 +716,22 @@ fn duplicate(
 /// Claims work for a dispatcher (see [`crate::Ledger::claim`]).
 pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<Vec<Claim>> {
     let now = tx.now().await?;
-    let ids = tx.pick_claimable(now, request.limit).await?;
-    let mut claims = Vec::with_capacity(ids.len());
-    for id in ids {
+    let mut room = request.tool_room.clone();
+    let full: Vec<String> = room
+        .iter()
+        .filter(|(_, free)| **free == 0)
+        .map(|(tool, _)| tool.clone())
+        .collect();
+    let picked = tx.pick_claimable(now, request.limit, &full).await?;
+    let mut claims = Vec::with_capacity(picked.len());
+    for (id, tool) in picked {
+        // Sized by the tool's free permits: the rest stay queued for the next claim.
+        if let Some(free) = room.get_mut(&tool) {
+            if *free == 0 {
+                continue;
+            }
+            *free -= 1;
+        }
         let Some(mut op) = tx.try_lock_operation(id).await? else {
             continue;
         };
@@ -779,6 +795,7 @@ struct Change<'a> {
     actor: Option<&'a str>,
     next_in: Option<Duration>,
     detail: Option<serde_json::Value>,
+    ambiguity: Ambiguity,
 }
 
 /// Applies one transition to a locked operation and writes everything that goes with it.
@@ -826,6 +843,7 @@ async fn change<T: Tx>(
             actor: None,
             next_in: None,
             detail: Some(json!({"compensation": op.operation_id, "status": op.status.as_str()})),
+            ambiguity: Ambiguity::Keep,
         },
         now,
     )
@@ -864,6 +882,7 @@ async fn change_one<T: Tx>(
         op.unknown_since = Some(now);
     }
     op.status = to;
+    op.ambiguous_since = c.ambiguity.apply(op.ambiguous_since);
     op.lease_owner = None;
     op.lease_expires_at = None;
     op.next_attempt_at = c.next_in.map(|d| add(now, d));
@@ -935,6 +954,7 @@ pub(crate) async fn record<T: Tx>(
                 actor: None,
                 next_in: rec.next_in,
                 detail: None,
+                ambiguity: rec.ambiguity,
             },
             now,
         )
@@ -963,6 +983,9 @@ pub(crate) async fn claim_reconcile<T: Tx>(
             continue;
         };
         let lost_by = op.lease_owner.clone();
+        // The lost attempt started when it was claimed (the last update before now): an
+        // effect may exist from then on.
+        let claimed_at = op.updated_at;
         // The lease holder lost it: fence it off before anyone acts on the operation.
         op.lease_epoch += 1;
         op.error = Some(ErrorInfo {
@@ -984,6 +1007,7 @@ pub(crate) async fn claim_reconcile<T: Tx>(
                 actor: None,
                 next_in: None,
                 detail: Some(json!({ "lease_owner": lost_by })),
+                ambiguity: Ambiguity::Since(claimed_at),
             },
             now,
         )
@@ -1017,6 +1041,9 @@ pub(crate) async fn apply<T: Tx>(tx: &mut T, command: &Command) -> Result<Operat
         .lock_operation(command.operation_id)
         .await?
         .ok_or(Error::NotFound(command.operation_id))?;
+    if let Some(message) = policy::command_refusal(command.event, op.ambiguous_since) {
+        return Err(Error::Conflict(message));
+    }
     // Fence whoever holds a lease: their late recording must not overwrite a person.
     op.lease_epoch += 1;
     if let Some(result) = &command.result {
@@ -1032,6 +1059,11 @@ pub(crate) async fn apply<T: Tx>(tx: &mut T, command: &Command) -> Result<Operat
             actor: Some(&command.actor),
             next_in: None,
             detail: None,
+            // A person's resolution settles the ambiguity (they checked the provider).
+            ambiguity: match command.event {
+                Event::Resolve(_) => Ambiguity::Clear,
+                _ => Ambiguity::Keep,
+            },
         },
         now,
     )
@@ -1095,6 +1127,7 @@ pub(crate) async fn compensate<T: Tx>(
             actor: Some(&request.actor),
             next_in: None,
             detail: None,
+            ambiguity: Ambiguity::Keep,
         },
         now,
     )

@@ -99,7 +99,8 @@ const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_componen
     event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
     canonical_args, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, \
     unknown_since, lease_owner, lease_expires_at, lease_epoch, external_request_id, \
-    external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at";
+    external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at, \
+    ambiguous_since";
 
 fn op_from_row(row: &PgRow) -> Result<Operation> {
     let class: String = row.try_get("side_effect_class")?;
@@ -130,6 +131,7 @@ fn op_from_row(row: &PgRow) -> Result<Operation> {
         first_attempt_at: row.try_get("first_attempt_at")?,
         next_attempt_at: row.try_get("next_attempt_at")?,
         unknown_since: row.try_get("unknown_since")?,
+        ambiguous_since: row.try_get("ambiguous_since")?,
         lease_owner: row.try_get("lease_owner")?,
         lease_expires_at: row.try_get("lease_expires_at")?,
         lease_epoch: row.try_get("lease_epoch")?,
@@ -265,7 +267,7 @@ impl Tx for PgTx {
             "UPDATE operations SET status = $2, attempt_count = $3, first_attempt_at = $4, \
              next_attempt_at = $5, unknown_since = $6, lease_owner = $7, lease_expires_at = $8, \
              lease_epoch = $9, external_request_id = $10, external_object_id = $11, result = $12, \
-             error = $13, result_seq = $14, updated_at = $15 WHERE operation_id = $1",
+             error = $13, result_seq = $14, updated_at = $15, ambiguous_since = $16 WHERE operation_id = $1",
         )
         .bind(op.operation_id)
         .bind(op.status.as_str())
@@ -282,6 +284,7 @@ impl Tx for PgTx {
         .bind(op.error.as_ref().map(Json))
         .bind(op.result_seq)
         .bind(op.updated_at)
+        .bind(op.ambiguous_since)
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -340,8 +343,8 @@ impl Tx for PgTx {
     ) -> Result<()> {
         let finished_at = (state == QueueState::Done).then_some(at);
         sqlx::query(
-            "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, ready_at, finished_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (operation_id) DO UPDATE \
+            "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, ready_at, finished_at, tool) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (operation_id) DO UPDATE \
              SET state = EXCLUDED.state, ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
         )
         .bind(op.operation_id)
@@ -351,6 +354,7 @@ impl Tx for PgTx {
         .bind(state.as_str())
         .bind(ready_at)
         .bind(finished_at)
+        .bind(&op.tool)
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -494,7 +498,8 @@ impl Tx for PgTx {
                     .push_bind(&op.traceparent)
                     .push_bind(op.result_seq)
                     .push_bind(op.created_at)
-                    .push_bind(op.updated_at);
+                    .push_bind(op.updated_at)
+                    .push_bind(op.ambiguous_since);
             });
             qb.push(" ON CONFLICT (namespace, idempotency_key) DO NOTHING RETURNING operation_id");
             let ids: Vec<Uuid> = qb.build_query_scalar().fetch_all(&mut *self.0).await?;
@@ -536,7 +541,7 @@ impl Tx for PgTx {
         for chunk in rows.chunks(CHUNK) {
             let mut qb = QueryBuilder::<Postgres>::new(
                 "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, \
-                 ready_at, finished_at) ",
+                 ready_at, finished_at, tool) ",
             );
             qb.push_values(chunk, |mut b, (op, state)| {
                 b.push_bind(op.operation_id)
@@ -545,7 +550,8 @@ impl Tx for PgTx {
                     .push_bind(op.compensates)
                     .push_bind(state.as_str())
                     .push_bind(at)
-                    .push_bind((*state == QueueState::Done).then_some(at));
+                    .push_bind((*state == QueueState::Done).then_some(at))
+                    .push_bind(&op.tool);
             });
             qb.push(
                 " ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
@@ -598,10 +604,15 @@ impl Tx for PgTx {
     // ahead. A compensation passes the operation it undoes (which holds the entity in
     // `compensating`) and the waiting operations queued behind that one: they wait for
     // the original, which waits for its compensation.
-    async fn pick_claimable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT q.operation_id FROM dispatch_queue q \
-             WHERE q.state = 'waiting' AND q.ready_at <= $1 \
+    async fn pick_claimable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+        skip_tools: &[String],
+    ) -> Result<Vec<(Uuid, String)>> {
+        Ok(sqlx::query_as(
+            "SELECT q.operation_id, q.tool FROM dispatch_queue q \
+             WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
                AND (q.is_read OR NOT EXISTS ( \
                    SELECT 1 FROM dispatch_queue p \
                    WHERE p.entity_key = q.entity_key AND NOT p.is_read \
@@ -613,6 +624,7 @@ impl Tx for PgTx {
         )
         .bind(now)
         .bind(limit as i64)
+        .bind(skip_tools)
         .fetch_all(&mut *self.0)
         .await?)
     }

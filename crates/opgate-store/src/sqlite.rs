@@ -96,7 +96,8 @@ const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_componen
     event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
     canonical_args, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, \
     unknown_since, lease_owner, lease_expires_at, lease_epoch, external_request_id, \
-    external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at";
+    external_object_id, result, error, compensates, traceparent, result_seq, created_at, updated_at, \
+    ambiguous_since";
 
 /// The one timestamp format stored: `YYYY-MM-DDTHH:MM:SS.sssZ`.
 fn ts(at: OffsetDateTime) -> String {
@@ -186,6 +187,7 @@ fn op_from_row(row: &SqliteRow) -> Result<Operation> {
         first_attempt_at: get_ts_opt(row, "first_attempt_at")?,
         next_attempt_at: get_ts_opt(row, "next_attempt_at")?,
         unknown_since: get_ts_opt(row, "unknown_since")?,
+        ambiguous_since: get_ts_opt(row, "ambiguous_since")?,
         lease_owner: row.try_get("lease_owner")?,
         lease_expires_at: get_ts_opt(row, "lease_expires_at")?,
         lease_epoch: row.try_get("lease_epoch")?,
@@ -202,9 +204,11 @@ fn op_from_row(row: &SqliteRow) -> Result<Operation> {
 }
 
 fn ids(rows: Vec<String>) -> Result<Vec<Uuid>> {
-    rows.iter()
-        .map(|s| Uuid::parse_str(s).map_err(|e| Error::Corrupt(format!("operation_id {s:?}: {e}"))))
-        .collect()
+    rows.iter().map(|s| parse_uuid(s)).collect()
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid> {
+    Uuid::parse_str(s).map_err(|e| Error::Corrupt(format!("operation_id {s:?}: {e}")))
 }
 
 impl Tx for SqliteTx {
@@ -279,7 +283,7 @@ impl Tx for SqliteTx {
         let done = sqlx::query(&format!(
             "INSERT INTO operations ({OP_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
              $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, \
-             $28, $29, $30, $31, $32, $33, $34) \
+             $28, $29, $30, $31, $32, $33, $34, $35) \
              ON CONFLICT (namespace, idempotency_key) DO NOTHING"
         ))
         .bind(op.operation_id.to_string())
@@ -316,6 +320,7 @@ impl Tx for SqliteTx {
         .bind(op.result_seq)
         .bind(ts(op.created_at))
         .bind(ts(op.updated_at))
+        .bind(ts_opt(op.ambiguous_since))
         .execute(&mut *self.0)
         .await?;
         Ok(done.rows_affected() == 1)
@@ -392,7 +397,7 @@ impl Tx for SqliteTx {
             "UPDATE operations SET status = $2, attempt_count = $3, first_attempt_at = $4, \
              next_attempt_at = $5, unknown_since = $6, lease_owner = $7, lease_expires_at = $8, \
              lease_epoch = $9, external_request_id = $10, external_object_id = $11, result = $12, \
-             error = $13, result_seq = $14, updated_at = $15 WHERE operation_id = $1",
+             error = $13, result_seq = $14, updated_at = $15, ambiguous_since = $16 WHERE operation_id = $1",
         )
         .bind(op.operation_id.to_string())
         .bind(op.status.as_str())
@@ -409,6 +414,7 @@ impl Tx for SqliteTx {
         .bind(op.error.as_ref().map(json_text))
         .bind(op.result_seq)
         .bind(ts(op.updated_at))
+        .bind(ts_opt(op.ambiguous_since))
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -482,8 +488,8 @@ impl Tx for SqliteTx {
     ) -> Result<()> {
         let finished_at = (state == QueueState::Done).then(|| ts(at));
         sqlx::query(
-            "INSERT INTO dispatch_queue (operation_id, entity_key, seq, is_read, compensates, state, ready_at, finished_at) \
-             VALUES ($1, $2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM dispatch_queue), $3, $4, $5, $6, $7) \
+            "INSERT INTO dispatch_queue (operation_id, entity_key, seq, is_read, compensates, state, ready_at, finished_at, tool) \
+             VALUES ($1, $2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM dispatch_queue), $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (operation_id) DO UPDATE \
              SET state = excluded.state, ready_at = excluded.ready_at, finished_at = excluded.finished_at",
         )
@@ -494,6 +500,7 @@ impl Tx for SqliteTx {
         .bind(state.as_str())
         .bind(ts(ready_at))
         .bind(finished_at)
+        .bind(&op.tool)
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -519,10 +526,16 @@ impl Tx for SqliteTx {
     // ahead. A compensation passes the operation it undoes (which holds the entity in
     // `compensating`) and the waiting operations queued behind that one: they wait for
     // the original, which waits for its compensation.
-    async fn pick_claimable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
-        ids(sqlx::query_scalar(
-            "SELECT q.operation_id FROM dispatch_queue q \
+    async fn pick_claimable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+        skip_tools: &[String],
+    ) -> Result<Vec<(Uuid, String)>> {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 \
+               AND q.tool NOT IN (SELECT value FROM json_each($3)) \
                AND (q.is_read = 1 OR NOT EXISTS ( \
                    SELECT 1 FROM dispatch_queue p \
                    WHERE p.entity_key = q.entity_key AND p.is_read = 0 \
@@ -534,8 +547,12 @@ impl Tx for SqliteTx {
         )
         .bind(ts(now))
         .bind(limit as i64)
+        .bind(serde_json::to_string(skip_tools).unwrap_or_else(|_| "[]".into()))
         .fetch_all(&mut *self.0)
-        .await?)
+        .await?;
+        rows.into_iter()
+            .map(|(id, tool)| Ok((parse_uuid(&id)?, tool)))
+            .collect()
     }
 
     async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {

@@ -66,7 +66,7 @@ pub struct IngestOutcome {
 }
 
 /// A request for leased work.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ClaimRequest {
     /// Who holds the lease (process id, host).
     pub owner: String,
@@ -74,6 +74,10 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// Most items to return.
     pub limit: usize,
+    /// Dispatch claims only: at most this many operations of each tool listed (its free
+    /// per-tool permits), none of a tool listed with 0; tools not listed are bounded by
+    /// `limit` alone. A claimed operation then never waits for a permit in-process.
+    pub tool_room: std::collections::BTreeMap<String, usize>,
 }
 
 /// A leased operation.
@@ -134,6 +138,8 @@ pub struct Recording {
     pub external_request_id: Option<String>,
     /// The error, if any (cleared on success when `None`).
     pub error: Option<ErrorInfo>,
+    /// What the operation's ambiguity becomes ([`opgate_core::policy`]).
+    pub ambiguity: opgate_core::policy::Ambiguity,
 }
 
 impl Recording {
@@ -150,6 +156,7 @@ impl Recording {
             external_object_id: None,
             external_request_id: None,
             error: None,
+            ambiguity: opgate_core::policy::Ambiguity::Keep,
         }
     }
 }

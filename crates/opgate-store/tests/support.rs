@@ -265,5 +265,6 @@ pub fn claim_request(owner: &str, lease: Duration, limit: usize) -> ClaimRequest
         owner: owner.into(),
         lease,
         limit,
+        ..Default::default()
     }
 }

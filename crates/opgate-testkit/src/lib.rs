@@ -6,6 +6,8 @@
 //! a Docker engine answers; otherwise the test fails naming the variable). The URL carries
 //! the schema (`options=-csearch_path=...`), so a child process given the URL uses it too.
 
+pub mod provider;
+
 use std::path::Path;
 
 use opgate_store::SharedLedger;

@@ -37,6 +37,7 @@ fn operation() -> Operation {
         attempt_count: 1,
         first_attempt_at: Some(now),
         unknown_since: None,
+        ambiguous_since: None,
         next_attempt_at: None,
         lease_owner: None,
         lease_expires_at: None,

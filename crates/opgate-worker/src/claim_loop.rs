@@ -7,7 +7,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use opgate_store::Claim;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -27,11 +26,15 @@ pub(crate) struct Loop {
 
 impl Loop {
     /// Runs until `cancel`, then drains.
-    pub(crate) async fn run<C, CF, H, HF>(self, cancel: CancellationToken, mut claim: C, handle: H)
-    where
+    pub(crate) async fn run<T, C, CF, H, HF>(
+        self,
+        cancel: CancellationToken,
+        mut claim: C,
+        handle: H,
+    ) where
         C: FnMut(usize) -> CF,
-        CF: Future<Output = opgate_store::Result<Vec<Claim>>>,
-        H: Fn(Claim) -> HF,
+        CF: Future<Output = opgate_store::Result<Vec<T>>>,
+        H: Fn(T) -> HF,
         HF: Future<Output = ()> + Send + 'static,
     {
         let tracker = TaskTracker::new();
@@ -77,9 +80,9 @@ impl Loop {
 }
 
 /// One round without the loop (tests): handle every claim and wait for all of them.
-pub(crate) async fn handle_all<H, HF>(claims: Vec<Claim>, handle: H) -> usize
+pub(crate) async fn handle_all<T, H, HF>(claims: Vec<T>, handle: H) -> usize
 where
-    H: Fn(Claim) -> HF,
+    H: Fn(T) -> HF,
     HF: Future<Output = ()> + Send + 'static,
 {
     let n = claims.len();

@@ -5,20 +5,22 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opgate_core::key::scoped_key;
-use opgate_core::outcome::{AdapterOutcome, Contract, classify, decide};
+use opgate_core::outcome::AdapterOutcome;
+use opgate_core::policy::{self, Attempt, Hold};
 use opgate_core::registry::Tool;
-use opgate_core::retry::OnExhausted;
 use opgate_core::{ErrorInfo, Event, Operation, Registry};
 use opgate_store::{AttemptReport, Claim, ClaimRequest, Recording, SharedLedger};
 use opgate_tools::{CallReport, DispatchRequest};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use tokio::sync::Semaphore;
+use time::OffsetDateTime;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::Adapters;
 use crate::claim_loop::{Loop, handle_all};
-use crate::{Adapters, between, resend_is_safe};
 
 /// Dispatcher settings.
 #[derive(Debug, Clone)]
@@ -89,6 +91,44 @@ struct Inner {
 pub struct Dispatcher {
     inner: Arc<Inner>,
     permits: Arc<Semaphore>,
+}
+
+/// A claim as the dispatcher holds it: the lease's end on this process's clock, and the
+/// tool permit taken with it (claims are sized by the free per-tool permits).
+pub struct Leased {
+    /// The claim.
+    pub claim: Claim,
+    /// The lease ends no later than this (measured from before the claim was asked for).
+    pub deadline: Instant,
+    /// When the claim was asked for.
+    asked: Instant,
+    /// The per-tool permit, when the claim was sized by it.
+    tool_permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Leased {
+    /// A claim taken elsewhere (tests, tools): `asked` is when it was asked for, so the
+    /// lease ends at `asked + lease` on this process's clock. No tool permit is held: the
+    /// dispatcher waits for one, then checks the lease again.
+    pub fn new(claim: Claim, asked: Instant, lease: Duration) -> Self {
+        Self {
+            claim,
+            deadline: asked + lease,
+            asked,
+            tool_permit: None,
+        }
+    }
+
+    /// How much of the lease is left.
+    fn lease_left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// The database clock now, estimated from the claim's timestamp plus the time since
+    /// the claim was asked for (an overestimate, which errs towards "retention passed").
+    fn now(&self) -> OffsetDateTime {
+        self.claim.claimed_at + Instant::now().saturating_duration_since(self.asked)
+    }
 }
 
 /// The label of an outcome in the attempts table and the history.
@@ -164,69 +204,116 @@ impl Dispatcher {
                     let this = self.clone();
                     async move { this.claim(room).await }
                 },
-                |claim| {
+                |leased| {
                     let this = self.clone();
-                    async move { this.dispatch(claim).await }
+                    async move { this.dispatch(leased).await }
                 },
             )
             .await;
         info!("dispatcher stopped");
     }
 
-    async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Claim>> {
+    /// Claims up to `limit` operations, at most as many of each tool as it has free
+    /// permits, and takes those permits with the claims.
+    async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Leased>> {
         let c = &self.inner.config;
-        self.inner
+        let tool_room = self
+            .inner
+            .per_tool
+            .iter()
+            .map(|(tool, permits)| (tool.clone(), permits.available_permits()))
+            .collect();
+        let asked = Instant::now();
+        let claims = self
+            .inner
             .ledger
             .claim(&ClaimRequest {
                 owner: c.owner.clone(),
                 lease: c.lease,
                 limit,
+                tool_room,
             })
-            .await
+            .await?;
+        Ok(claims
+            .into_iter()
+            .map(|claim| {
+                let tool_permit = self
+                    .inner
+                    .per_tool
+                    .get(&claim.operation.tool)
+                    .and_then(|s| s.clone().try_acquire_owned().ok());
+                Leased {
+                    claim,
+                    deadline: asked + c.lease,
+                    asked,
+                    tool_permit,
+                }
+            })
+            .collect())
     }
 
     /// One round without the loop (tests): claim up to `limit`, dispatch them all, wait.
     pub async fn run_once(&self, limit: usize) -> opgate_store::Result<usize> {
         let claims = self.claim(limit).await?;
-        Ok(handle_all(claims, |claim| {
+        Ok(handle_all(claims, |leased| {
             let this = self.clone();
-            async move { this.dispatch(claim).await }
+            async move { this.dispatch(leased).await }
         })
         .await)
     }
 
-    /// Calls the tool for one claimed operation and records the outcome.
-    pub async fn dispatch(&self, claim: Claim) {
+    /// Calls the tool for one claimed operation and records the outcome. Before the call
+    /// (when the claim is taken, and again after waiting for a permit) the dispatch policy
+    /// decides whether it may be sent at all ([`policy::may_send`]).
+    pub async fn dispatch(&self, mut leased: Leased) {
         let inner = &self.inner;
         if inner.config.crash_after_claim {
             // `dispatched` and the attempt row are committed; nothing was sent.
-            warn!(operation_id = %claim.operation.operation_id, "crash point: aborting after the claim");
+            warn!(operation_id = %leased.claim.operation.operation_id, "crash point: aborting after the claim");
             std::process::abort();
         }
+        let claim = &leased.claim;
         let op = &claim.operation;
         let attempt_id = claim.attempt_id.unwrap_or_default();
         let Some(tool) = inner.registry.tool(&op.tool) else {
-            self.give_up(&claim, "tool_not_registered", Event::Escalate)
+            self.give_up(claim, "tool_not_registered", Event::Escalate)
                 .await;
             return;
         };
         let Some(adapter) = inner.adapters.get(&op.tool).cloned() else {
-            self.give_up(&claim, "no_adapter", Event::Escalate).await;
+            self.give_up(claim, "no_adapter", Event::Escalate).await;
             return;
         };
         if op.attempt_count > tool.retry.max_attempts {
-            let event = match tool.retry.on_exhausted {
-                OnExhausted::NeedsAttention => Event::Escalate,
-                OnExhausted::FailedPermanent => Event::FailPermanently,
-            };
-            self.give_up(&claim, "attempt_budget_exhausted", event)
-                .await;
+            let event = policy::over_budget(tool, op.ambiguous_since);
+            self.give_up(claim, "attempt_budget_exhausted", event).await;
             return;
         }
-        let _tool_permit = match inner.per_tool.get(&op.tool) {
-            Some(s) => s.clone().acquire_owned().await.ok(),
-            None => None,
-        };
+        if let Err(hold) =
+            policy::may_send(tool, op.ambiguous_since, leased.now(), leased.lease_left())
+        {
+            self.hold(claim, hold).await;
+            return;
+        }
+        if leased.tool_permit.is_none() {
+            // Claimed outside the sized loop (run_once, or a permit raced away): wait,
+            // then ask the policy again — the lease kept running meanwhile.
+            leased.tool_permit = match inner.per_tool.get(&op.tool) {
+                Some(s) => s.clone().acquire_owned().await.ok(),
+                None => None,
+            };
+            if let Err(hold) = policy::may_send(
+                tool,
+                leased.claim.operation.ambiguous_since,
+                leased.now(),
+                leased.lease_left(),
+            ) {
+                self.hold(&leased.claim, hold).await;
+                return;
+            }
+        }
+        let claim = &leased.claim;
+        let op = &claim.operation;
         let provider_key = scoped_key(&op.namespace, &op.idempotency_key);
         let report = adapter
             .dispatch(&DispatchRequest {
@@ -235,7 +322,7 @@ impl Dispatcher {
                 provider_key: &provider_key,
             })
             .await;
-        let recording = self.decide(tool, &claim, &report);
+        let recording = self.decide(tool, claim, leased.now(), &report);
         let transition = recording.event;
         let m = opgate_metrics::metrics();
         m.attempts
@@ -258,22 +345,29 @@ impl Dispatcher {
         }
     }
 
-    fn decide(&self, tool: &Tool, claim: &Claim, report: &CallReport) -> Recording {
+    /// What follows an attempt, by the dispatch policy.
+    fn decide(
+        &self,
+        tool: &Tool,
+        claim: &Claim,
+        now: OffsetDateTime,
+        report: &CallReport,
+    ) -> Recording {
         let op = &claim.operation;
-        let contract = Contract {
-            class: tool.side_effect_class,
-            five_xx: tool.five_xx(),
-            resend_is_safe: resend_is_safe(tool, op, claim.claimed_at),
-        };
-        let verdict = classify(&report.outcome, contract);
-        let elapsed = claim
-            .first_attempt_at
-            .map(|first| between(first, claim.claimed_at))
-            .unwrap_or_default()
-            + report.latency;
         let decision = {
             let mut rng = self.inner.rng.lock().unwrap_or_else(|e| e.into_inner());
-            decide(verdict, &tool.retry, op.attempt_count, elapsed, &mut *rng)
+            policy::after_attempt(
+                tool,
+                &Attempt {
+                    outcome: &report.outcome,
+                    number: op.attempt_count,
+                    started_at: claim.claimed_at,
+                    first_attempt_at: claim.first_attempt_at.unwrap_or(claim.claimed_at),
+                    ambiguous_since: op.ambiguous_since,
+                    now,
+                },
+                &mut *rng,
+            )
         };
         let next_in = decision.retry_in.or(match decision.event {
             Event::Acknowledge => Some(self.inner.config.acknowledged_poll),
@@ -311,11 +405,20 @@ impl Dispatcher {
             external_object_id: report.external_id.clone(),
             external_request_id: report.provider_request_id.clone(),
             error,
+            ambiguity: decision.ambiguity,
         }
+    }
+
+    /// A claim the policy would not send: given back unsent (a short lease), or handed
+    /// to the reconciler (a resend no longer covered by the provider's key retention).
+    async fn hold(&self, claim: &Claim, hold: Hold) {
+        let (event, reason) = hold.event();
+        self.give_up(claim, reason, event).await;
     }
 
     /// Ends an attempt that was claimed but never sent.
     async fn give_up(&self, claim: &Claim, reason: &str, event: Event) {
+        let next_in = (event == Event::ScheduleRetry).then_some(Duration::ZERO);
         warn!(operation_id = %claim.operation.operation_id, tool = %claim.operation.tool, reason, "not dispatched");
         let mut rec = Recording::new(claim.operation.operation_id, claim.epoch(), event, reason);
         rec.attempt = claim.attempt_id.map(|id| {
@@ -328,9 +431,10 @@ impl Dispatcher {
                 },
             )
         });
+        rec.next_in = next_in;
         rec.error = Some(ErrorInfo {
             category: reason.to_owned(),
-            retryable: false,
+            retryable: next_in.is_some(),
             retry_after_seconds: None,
             message: None,
         });

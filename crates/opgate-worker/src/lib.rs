@@ -20,30 +20,10 @@ mod reconciler;
 use std::time::Duration;
 
 pub use adapters::Adapters;
-pub use dispatcher::{Dispatcher, DispatcherConfig};
+pub use dispatcher::{Dispatcher, DispatcherConfig, Leased};
 pub use reconciler::{Reconciler, ReconcilerConfig};
 
-use opgate_core::registry::Tool;
-use opgate_core::{Operation, SideEffectClass};
 use time::OffsetDateTime;
-
-/// Whether a resend with the same key cannot duplicate the effect: the provider honours
-/// the key (an idempotency header or body field is configured) and the key is still
-/// inside the provider's retention window, counted from the first attempt, with a margin
-/// of one request timeout.
-pub fn resend_is_safe(tool: &Tool, op: &Operation, now: OffsetDateTime) -> bool {
-    let Some(adapter) = &tool.adapter else {
-        return false;
-    };
-    let honours_key = adapter.config.idempotency_header.is_some()
-        || (adapter.config.key_body_field.is_some()
-            && tool.side_effect_class != SideEffectClass::ExternalNonIdempotent);
-    let (Some(retention), Some(first)) = (adapter.provider_retention, op.first_attempt_at) else {
-        return false;
-    };
-    let age = Duration::try_from(now - first).unwrap_or(Duration::MAX);
-    honours_key && age.saturating_add(adapter.timeout) < retention
-}
 
 /// Elapsed time between two database-clock instants (zero if negative).
 pub(crate) fn between(from: OffsetDateTime, to: OffsetDateTime) -> Duration {

@@ -2,15 +2,13 @@
 //! key up at the provider — never by sending again blindly.
 //!
 //! For each leased `unknown_outcome` (including a crashed dispatcher's expired lease) or
-//! `acknowledged` operation:
-//! - the provider has it -> `completed_success`, with its result;
-//! - the provider does not have it, and either its key retention covers a resend or the
-//!   miss is older than the tool's `lookup_grace` (so eventual consistency cannot explain
-//!   it) -> a safe re-dispatch (`pending_dispatch`, same key);
-//! - a miss inside the grace, a failing lookup, or an acknowledged operation still in
-//!   progress -> look again later, backing off;
-//! - no lookup configured, or the reconcile budget (the tool's `max_elapsed`) spent ->
-//!   `needs_attention`.
+//! `acknowledged` operation, it looks the key up and records what
+//! [`opgate_core::policy::after_lookup`] decides: found -> `completed_success`; a miss that
+//! the provider's key retention makes safe, or a miss past the tool's `lookup_grace`
+//! (proof of absence) -> a re-dispatch while attempts are left, else the tool's
+//! `on_exhausted`; a miss inside the grace, a failing lookup, an acknowledged operation
+//! still in progress -> look again later; no lookup, or the budget's `max_elapsed` spent
+//! -> `needs_attention`.
 //!
 //! The ledger records how long each ambiguity took to resolve (`unknown_for_ms`).
 
@@ -26,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::claim_loop::{Loop, handle_all};
-use crate::{Adapters, between, resend_is_safe};
+use crate::{Adapters, between};
+use opgate_core::policy::{self, Seen};
 
 /// Reconciler settings.
 #[derive(Debug, Clone)]
@@ -116,6 +115,7 @@ impl Reconciler {
                 owner: self.config.owner.clone(),
                 lease: self.config.lease,
                 limit,
+                ..Default::default()
             })
             .await
     }
@@ -135,101 +135,74 @@ impl Reconciler {
         let op = &claim.operation;
         let now = claim.claimed_at;
         let epoch = claim.epoch();
-        let escalate = |reason: &str, message: String| {
-            let mut rec = Recording::new(op.operation_id, epoch, Event::Escalate, reason);
-            rec.error = Some(ErrorInfo {
-                category: reason.to_owned(),
-                retryable: false,
-                retry_after_seconds: None,
-                message: Some(message),
-            });
-            rec
-        };
         let tool = self.registry.tool(&op.tool);
         let adapter = self.adapters.get(&op.tool);
+        // Counted from when the effect may first have happened: the lookup grace (a
+        // provider's propagation lag) runs from the ambiguous attempt, not from when the
+        // ledger noticed.
         let since = match op.status {
             Status::Acknowledged => op.first_attempt_at,
-            _ => op.unknown_since,
+            _ => op.ambiguous_since.or(op.unknown_since),
         }
         .unwrap_or(now);
         let waited = between(since, now);
         let recording = match (tool, adapter) {
             (Some(tool), Some(adapter)) => {
-                let budget = tool.retry.max_elapsed;
-                let grace = tool
-                    .adapter
-                    .as_ref()
-                    .map(|a| a.lookup_grace)
-                    .unwrap_or_default();
-                let again = |reason: &str| {
-                    let mut rec =
-                        Recording::new(op.operation_id, epoch, Event::StillUnknown, reason);
-                    rec.next_in = Some(
-                        (waited / 2).clamp(Duration::from_millis(250), self.config.max_backoff),
-                    );
-                    rec
-                };
-                match adapter
-                    .lookup(op, &scoped_key(&op.namespace, &op.idempotency_key))
-                    .await
-                {
-                    None => escalate(
-                        "no_lookup",
-                        format!(
-                            "tool `{}` has no lookup_url; a person must check the provider",
-                            op.tool
-                        ),
-                    ),
+                let key = scoped_key(&op.namespace, &op.idempotency_key);
+                let (seen, found, failure) = match adapter.lookup(op, &key).await {
+                    None => (Seen::NoLookup, None, None),
                     Some(Lookup::Found {
                         result,
                         external_id,
-                    }) => Recording {
-                        result,
-                        external_object_id: external_id,
-                        ..Recording::new(op.operation_id, epoch, Event::Succeed, "lookup_found")
-                    },
-                    Some(Lookup::NotFound) if op.status == Status::Acknowledged => {
-                        if waited > budget {
-                            escalate(
-                                "acknowledged_never_completed",
-                                format!("accepted {waited:?} ago and still not found"),
-                            )
-                        } else {
-                            again("still_processing")
-                        }
-                    }
-                    Some(Lookup::NotFound) => {
-                        if resend_is_safe(tool, op, now) {
-                            Recording::new(
-                                op.operation_id,
-                                epoch,
-                                Event::Redispatch,
-                                "lookup_missed_resend_safe",
-                            )
-                        } else if waited >= grace {
-                            Recording::new(
-                                op.operation_id,
-                                epoch,
-                                Event::Redispatch,
-                                "lookup_proved_absent",
-                            )
-                        } else {
-                            let mut rec = again("lookup_missed_within_grace");
-                            rec.next_in = Some((grace - waited).max(Duration::from_millis(100)));
-                            rec
-                        }
-                    }
-                    Some(Lookup::Failed(e)) if waited > budget => escalate("lookup_failing", e),
+                    }) => (Seen::Found, Some((result, external_id)), None),
+                    Some(Lookup::NotFound) => (Seen::NotFound, None, None),
                     Some(Lookup::Failed(e)) => {
                         warn!(operation_id = %op.operation_id, error = %e, "lookup failed");
-                        again("lookup_failed")
+                        (Seen::Failed, None, Some(e))
                     }
+                };
+                let d = policy::after_lookup(
+                    tool,
+                    &policy::Lookup {
+                        seen,
+                        acknowledged: op.status == Status::Acknowledged,
+                        waited,
+                        attempts_made: op.attempt_count,
+                        ambiguous_since: op.ambiguous_since,
+                        first_attempt_at: op.first_attempt_at,
+                        now,
+                    },
+                );
+                let mut rec = Recording::new(op.operation_id, epoch, d.event, d.reason);
+                rec.ambiguity = d.ambiguity;
+                rec.next_in = d
+                    .look_again_in
+                    .map(|wait| wait.clamp(Duration::from_millis(100), self.config.max_backoff));
+                if let Some((result, external_id)) = found {
+                    rec.result = result;
+                    rec.external_object_id = external_id;
                 }
+                if matches!(d.event, Event::Escalate | Event::FailPermanently) {
+                    let message = match seen {
+                        Seen::NoLookup => format!(
+                            "tool `{}` has no lookup_url; a person must check the provider",
+                            op.tool
+                        ),
+                        Seen::Failed => failure.unwrap_or_default(),
+                        _ => format!("{}: not found at the provider after {waited:?}", d.reason),
+                    };
+                    rec.error = Some(error_info(d.reason, message));
+                }
+                rec
             }
-            _ => escalate(
-                "no_adapter",
-                format!("tool `{}` is not registered with an adapter", op.tool),
-            ),
+            _ => {
+                let mut rec = Recording::new(op.operation_id, epoch, Event::Escalate, "no_adapter");
+                rec.error = Some(error_info(
+                    "no_adapter",
+                    format!("tool `{}` is not registered with an adapter", op.tool),
+                ));
+                rec
+            }
         };
         let event = recording.event;
         let reason = recording.reason.clone();
@@ -266,5 +239,14 @@ impl Reconciler {
                 warn!(operation_id = %op.operation_id, error = %e, "reconcile recording failed; the lease will expire")
             }
         }
+    }
+}
+
+fn error_info(category: &str, message: String) -> ErrorInfo {
+    ErrorInfo {
+        category: category.to_owned(),
+        retryable: false,
+        retry_after_seconds: None,
+        message: Some(message),
     }
 }

@@ -329,6 +329,7 @@ mod tests {
                 owner: "relay".into(),
                 lease: Duration::from_secs(60),
                 limit: 10,
+                ..Default::default()
             })
             .await
             .expect("claim results");

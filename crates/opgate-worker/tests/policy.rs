@@ -1,0 +1,322 @@
+//! The dispatch policy end to end (issue 9, items 3-5): the real dispatcher, reconciler
+//! and ledger (SQLite; PostgreSQL with `--features integration`) against a scripted
+//! in-process provider that counts effects exactly.
+
+#![allow(missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opgate_core::outcome::AdapterOutcome;
+use opgate_core::{
+    Delivery, Event, IngestItem, Limits, Operation, Proposal, Registry, Source, Status,
+};
+use opgate_store::{ClaimRequest, Command, SharedLedger};
+use opgate_testkit::provider::{ScriptedProvider, Step};
+use opgate_worker::{Adapters, Dispatcher, DispatcherConfig, Leased, Reconciler, ReconcilerConfig};
+use serde_json::json;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+const TOOLS: &str = r#"
+[[tools]]
+name = "charge"
+side_effect_class = "irreversible"
+key = "charge:{entity}:{args.amount}"
+[tools.args]
+amount = "as_is"
+[tools.adapter]
+kind = "http"
+url = "http://unused"
+timeout_ms = 300
+idempotency_header = "Idempotency-Key"
+provider_retention = "2s"
+lookup_grace = "200ms"
+[tools.retry]
+max_attempts = 4
+base_ms = 10
+max_ms = 20
+"#;
+
+struct World {
+    ledger: SharedLedger,
+    registry: Arc<Registry>,
+    provider: Arc<ScriptedProvider>,
+    dispatcher: Dispatcher,
+    reconciler: Reconciler,
+    _db: opgate_testkit::TestLedger,
+}
+
+async fn world(per_tool: usize) -> World {
+    let db = opgate_testkit::TestLedger::new().await;
+    let ledger = db.ledger.clone();
+    let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
+    let provider = Arc::new(ScriptedProvider::new(true));
+    let mut adapters = Adapters::default();
+    adapters.insert("charge", provider.clone());
+    let dispatcher = Dispatcher::new(
+        ledger.clone(),
+        registry.clone(),
+        adapters.clone(),
+        DispatcherConfig {
+            owner: "d1".into(),
+            lease: Duration::from_secs(2),
+            per_tool,
+            seed: Some(1),
+            idle: Duration::from_millis(10),
+            ..DispatcherConfig::default()
+        },
+    )
+    .expect("dispatcher");
+    let reconciler = Reconciler::new(
+        ledger.clone(),
+        registry.clone(),
+        adapters,
+        ReconcilerConfig {
+            owner: "r1".into(),
+            ..ReconcilerConfig::default()
+        },
+    );
+    World {
+        ledger,
+        registry,
+        provider,
+        dispatcher,
+        reconciler,
+        _db: db,
+    }
+}
+
+impl World {
+    async fn propose(&self, entity: &str, amount: u64) -> Uuid {
+        let value = json!({"event_id": Uuid::now_v7().to_string(), "tool": "charge",
+            "entity": {"type": "account", "id": entity}, "args": {"amount": amount}});
+        let proposal = Proposal::from_value(value, &Limits::default()).expect("proposal");
+        let item = IngestItem::from_proposal(
+            &self.registry,
+            &proposal,
+            Delivery {
+                source: Source::Http,
+                traceparent: None,
+            },
+        );
+        let out = self.ledger.ingest(&[item]).await.expect("ingest");
+        out[0].operation.as_ref().expect("accepted").operation_id
+    }
+
+    async fn op(&self, id: Uuid) -> Operation {
+        self.ledger
+            .operation(id)
+            .await
+            .expect("read")
+            .expect("exists")
+    }
+
+    fn key(&self, op: &Operation) -> String {
+        opgate_core::key::scoped_key(&op.namespace, &op.idempotency_key)
+    }
+}
+
+/// Item 3: attempt 1 times out after the provider committed; attempt 2 hears "key in
+/// use" (409) while attempt 1 still runs there. The operation must not end
+/// `failed_permanent` with an effect standing: it goes to the reconciler, which finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_4xx_after_a_timeout_after_commit_is_reconciled_not_failed() {
+    let w = world(16).await;
+    w.provider.script([
+        Step::new(true, AdapterOutcome::SentNoAnswer),
+        Step::new(false, AdapterOutcome::Rejected { status: Some(409) }),
+    ]);
+    let id = w.propose("a1", 5).await;
+    w.dispatcher.run_once(8).await.expect("attempt 1");
+    let op = w.op(id).await;
+    assert_eq!(
+        op.status,
+        Status::FailedRetryable,
+        "resend is safe: same key, inside retention"
+    );
+    assert!(op.ambiguous_since.is_some(), "the ambiguity is remembered");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    w.dispatcher.run_once(8).await.expect("attempt 2");
+    let op = w.op(id).await;
+    assert_eq!(
+        op.status,
+        Status::UnknownOutcome,
+        "a 409 after an ambiguous attempt is not a failure"
+    );
+    w.reconciler.run_once().await.expect("reconcile");
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::CompletedSuccess);
+    assert_eq!(w.provider.effects(&w.key(&op)), 1);
+}
+
+/// Item 3, the give-up path: an ambiguous attempt, then the provider cannot be reached
+/// until the budget is spent. Ends unknown -> looked up, never failed while the effect
+/// exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_sent_until_the_budget_is_spent_after_an_ambiguous_attempt_is_not_a_failure() {
+    let w = world(16).await;
+    w.provider
+        .script([Step::new(true, AdapterOutcome::SentNoAnswer)]);
+    w.provider
+        .script((0..10).map(|_| Step::new(false, AdapterOutcome::NotSent)));
+    let id = w.propose("a2", 5).await;
+    for _ in 0..10 {
+        w.dispatcher.run_once(8).await.expect("dispatch");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::UnknownOutcome, "{:?}", op.error);
+    w.reconciler.run_once().await.expect("reconcile");
+    assert_eq!(w.op(id).await.status, Status::CompletedSuccess);
+}
+
+/// Item 3, a person's side: an operation that may have taken effect cannot be cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ambiguous_operation_cannot_be_cancelled() {
+    let w = world(16).await;
+    w.provider
+        .script([Step::new(true, AdapterOutcome::SentNoAnswer)]);
+    let id = w.propose("a3", 5).await;
+    w.dispatcher.run_once(8).await.expect("attempt 1");
+    assert_eq!(w.op(id).await.status, Status::FailedRetryable);
+    let refused = w
+        .ledger
+        .apply(&Command {
+            operation_id: id,
+            event: Event::Cancel,
+            actor: "ops".into(),
+            reason: "changed my mind".into(),
+            result: None,
+        })
+        .await;
+    assert!(
+        matches!(&refused, Err(opgate_store::Error::Conflict(m)) if m.contains("may have taken effect")),
+        "{refused:?}"
+    );
+    assert_eq!(w.op(id).await.status, Status::FailedRetryable);
+}
+
+/// Item 4: the resend window counts from the first ambiguous attempt and is checked when
+/// the resend would be sent. After an outage longer than the provider's retention (2 s
+/// here) nothing is resent: the operation is looked up instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resend_after_the_providers_retention_is_never_sent() {
+    let w = world(16).await;
+    w.provider
+        .script([Step::new(false, AdapterOutcome::SentNoAnswer)]);
+    let id = w.propose("a4", 5).await;
+    w.dispatcher.run_once(8).await.expect("attempt 1");
+    assert_eq!(w.op(id).await.status, Status::FailedRetryable);
+    // The dispatchers were down past the retention.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    w.dispatcher.run_once(8).await.expect("after the outage");
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::UnknownOutcome);
+    assert_eq!(
+        op.error.as_ref().map(|e| e.category.as_str()),
+        Some("resend_window_passed")
+    );
+    assert_eq!(w.provider.calls(), 1, "no blind resend");
+    // The lookup misses past the grace: proof of absence, so the ambiguity is settled
+    // and the next attempt is a fresh send.
+    w.reconciler.run_once().await.expect("reconcile");
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::PendingDispatch);
+    assert_eq!(op.ambiguous_since, None);
+    w.dispatcher.run_once(8).await.expect("fresh attempt");
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::CompletedSuccess);
+    assert_eq!(w.provider.effects(&w.key(&op)), 1);
+}
+
+/// Item 5: a claim whose lease cannot cover the call (it waited in-process, or the
+/// process is draining) is given back unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_without_lease_left_for_the_call_is_given_back_unsent() {
+    let w = world(16).await;
+    let id = w.propose("a5", 5).await;
+    let asked = Instant::now();
+    let claim = w
+        .ledger
+        .claim(&ClaimRequest {
+            owner: "d1".into(),
+            lease: Duration::from_millis(500),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("claim")
+        .pop()
+        .expect("one claim");
+    // 500 ms lease, 300 ms tool timeout: after 300 ms of waiting, 200 ms are left.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.dispatcher
+        .dispatch(Leased::new(claim, asked, Duration::from_millis(500)))
+        .await;
+    let op = w.op(id).await;
+    assert_eq!(op.status, Status::FailedRetryable);
+    assert_eq!(
+        op.error.as_ref().map(|e| e.category.as_str()),
+        Some("lease_too_short_to_send")
+    );
+    assert_eq!(w.provider.calls(), 0, "nothing was sent");
+    // It is claimable again at once, and then sent.
+    w.dispatcher.run_once(8).await.expect("again");
+    assert_eq!(w.op(id).await.status, Status::CompletedSuccess);
+    assert_eq!(w.provider.calls(), 1);
+}
+
+/// Item 5: claims are sized by the tool's free permits, so no claimed operation waits
+/// in-process for a permit while its lease runs (with `per_tool = 1`, at most one
+/// operation of the tool is ever `dispatched`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_are_sized_by_the_tools_free_permits() {
+    let w = world(1).await;
+    let slow = || Step {
+        delay: Duration::from_millis(150),
+        ..Step::ok()
+    };
+    w.provider.script((0..6).map(|_| slow()));
+    let ids: Vec<Uuid> = futures_ids(&w, 6).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let page = w
+            .ledger
+            .list(&opgate_store::ListFilter {
+                status: Some(Status::Dispatched),
+                ..Default::default()
+            })
+            .await
+            .expect("list");
+        assert!(
+            page.operations.len() <= 1,
+            "{} claimed at once",
+            page.operations.len()
+        );
+        let mut done = 0;
+        for id in &ids {
+            if w.op(*id).await.status == Status::CompletedSuccess {
+                done += 1;
+            }
+        }
+        if done == ids.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {done} completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+    running.await.expect("dispatcher");
+    assert_eq!(w.provider.overlaps(), 0);
+}
+
+async fn futures_ids(w: &World, n: u64) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(w.propose(&format!("e{i}"), i + 1).await);
+    }
+    ids
+}

@@ -1,0 +1,6 @@
+-- Issue 9: the dispatch policy remembers ambiguity, and claims are sized per tool.
+-- See migrations/postgres/0002_dispatch_policy.sql for what the columns mean.
+ALTER TABLE operations ADD COLUMN ambiguous_since text;
+
+ALTER TABLE dispatch_queue ADD COLUMN tool text NOT NULL DEFAULT '';
+UPDATE dispatch_queue SET tool = (SELECT o.tool FROM operations o WHERE o.operation_id = dispatch_queue.operation_id);
