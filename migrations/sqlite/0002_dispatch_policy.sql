@@ -4,3 +4,9 @@ ALTER TABLE operations ADD COLUMN ambiguous_since text;
 
 ALTER TABLE dispatch_queue ADD COLUMN tool text NOT NULL DEFAULT '';
 UPDATE dispatch_queue SET tool = (SELECT o.tool FROM operations o WHERE o.operation_id = dispatch_queue.operation_id);
+
+-- Event identity is per namespace: see migrations/postgres/0002_dispatch_policy.sql.
+UPDATE inbox SET source_id =
+    COALESCE((SELECT o.namespace FROM operations o WHERE o.operation_id = inbox.operation_id), 'default')
+    || '/' || source_id;
+ALTER TABLE inbox ADD COLUMN fingerprint text;

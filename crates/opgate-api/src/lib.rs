@@ -682,7 +682,13 @@ async fn propose(
         outcome.decision.reason(),
         outcome.inbox_hit,
     );
-    let status = match outcome.decision {
+    let status = match &outcome.decision {
+        // The ledger's contents contradict the proposal (DESIGN.md sections 4 and 9).
+        IngestDecision::Rejected { reason }
+            if reason == "event_id_conflict" || reason == "key_conflict" =>
+        {
+            StatusCode::CONFLICT
+        }
         IngestDecision::Rejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         IngestDecision::Accepted if !outcome.inbox_hit => StatusCode::CREATED,
         _ => StatusCode::OK,

@@ -269,6 +269,17 @@ async fn hostile_proposals_are_400_naming_the_field_and_leave_no_trace() {
     assert!(page.operations.is_empty(), "nothing reached the ledger");
     let (s, body) = a.propose("e-good", "capture_payment", json!("1.00")).await;
     assert_eq!(s, StatusCode::CREATED, "{body}");
+    // Item 7: the same event id with other content is a 409, never the first answer.
+    let (s, body) = a
+        .propose("e-good", "capture_payment", json!("1000.00"))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["reason"], "event_id_conflict");
+    let (s, body) = a.propose("e-good", "capture_payment", json!("1.00")).await;
+    assert_eq!(
+        (s, body["inbox_hit"].clone()),
+        (StatusCode::OK, json!(true))
+    );
 }
 
 #[tokio::test]

@@ -75,6 +75,8 @@ pub struct Envelope {
     /// Policies beside the key (`dedupe_window`, `exclusive_group`), checked by the
     /// ledger against the entity's recent operations.
     pub guards: Vec<Guard>,
+    /// [`Proposal::content_fingerprint`]: tells a redelivery from a reused event id.
+    pub content_fingerprint: String,
 }
 
 /// A policy the ledger checks at ingest, beside the key: a recent operation on the same
@@ -151,6 +153,8 @@ pub struct RejectedProposal {
     pub entity: Option<Entity>,
     /// Why.
     pub rejection: Rejection,
+    /// The content fingerprint, when the proposal could be decoded.
+    pub content_fingerprint: Option<String>,
 }
 
 impl RejectedProposal {
@@ -165,6 +169,7 @@ impl RejectedProposal {
             tool: Some(proposal.tool.clone()),
             entity: Some(proposal.entity.clone()),
             rejection,
+            content_fingerprint: Some(proposal.content_fingerprint()),
         }
     }
 
@@ -192,6 +197,29 @@ impl IngestItem {
         match self {
             Self::Accepted(e) => &e.event_id,
             Self::Rejected(r) => &r.event_id,
+        }
+    }
+
+    /// The inbox key: `{namespace}/{event_id}` (DESIGN.md section 9: event identity is
+    /// per namespace; a namespace cannot contain `/`, so the key is unambiguous). A
+    /// proposal whose namespace could not be read counts as the default namespace.
+    pub fn inbox_key(&self) -> String {
+        let namespace = match self {
+            Self::Accepted(e) => Some(e.key.namespace.as_str()),
+            Self::Rejected(r) => r.namespace.as_deref(),
+        };
+        format!(
+            "{}/{}",
+            namespace.unwrap_or(crate::proposal::DEFAULT_NAMESPACE),
+            self.event_id()
+        )
+    }
+
+    /// The proposal's content fingerprint, when it could be decoded.
+    pub fn content_fingerprint(&self) -> Option<&str> {
+        match self {
+            Self::Accepted(e) => Some(&e.content_fingerprint),
+            Self::Rejected(r) => r.content_fingerprint.as_deref(),
         }
     }
 
@@ -319,6 +347,7 @@ fn prepare_checked(
         side_effect_class: tool.side_effect_class,
         initial_status: initial_status(tool.approval == Approval::Required),
         guards: guards(registry, tool),
+        content_fingerprint: proposal.content_fingerprint(),
     })
 }
 

@@ -292,6 +292,24 @@ impl Proposal {
     pub fn kafka_key(&self) -> String {
         format!("{}:{}", self.entity.kind, self.entity.id)
     }
+
+    /// sha256 of the proposal's canonical content (every field, args in canonical JSON
+    /// as sent): a redelivery has the same; the same event id with another fingerprint is
+    /// an `event_id_conflict`, never mapped to the first decision.
+    pub fn content_fingerprint(&self) -> String {
+        let content = serde_json::json!({
+            "namespace": self.namespace,
+            "agent_id": self.agent_id,
+            "workflow_id": self.workflow_id,
+            "run_id": self.run_id,
+            "step": self.step,
+            "tool": self.tool,
+            "intent": self.intent,
+            "entity": {"type": self.entity.kind, "id": self.entity.id},
+            "args": self.args,
+        });
+        crate::key::sha256_hex(crate::canonical::canonical_json(&content).as_bytes())
+    }
 }
 
 /// Namespaces scope keys at providers too (`{namespace}/{key}`), so they are restricted

@@ -505,6 +505,10 @@ impl Shared {
         .await?;
         IngestStats::add(&self.stats.dead_lettered, 1);
         let coordinates = self.coordinates(record);
+        let namespace = match &*item {
+            IngestItem::Accepted(env) => Some(env.key.namespace.clone()),
+            IngestItem::Rejected(r) => r.namespace.clone(),
+        };
         let delivery = Delivery {
             source: Source::Kafka {
                 topic: self.proposals.clone(),
@@ -517,7 +521,7 @@ impl Shared {
             let rejected = RejectedProposal {
                 event_id,
                 delivery: delivery.clone(),
-                namespace: None,
+                namespace: namespace.clone(),
                 workflow_id: None,
                 step: None,
                 tool: None,
@@ -526,6 +530,7 @@ impl Shared {
                     reason: "ledger_refused",
                     message: message.clone(),
                 },
+                content_fingerprint: None,
             };
             *item = IngestItem::Rejected(Box::new(rejected));
             match self.ledger.ingest(std::slice::from_ref(item)).await {
@@ -588,6 +593,7 @@ impl Shared {
                         reason: e.reason(),
                         message: e.to_string(),
                     },
+                    content_fingerprint: None,
                 };
                 return (IngestItem::Rejected(Box::new(rejected)), Some(letter));
             }

@@ -141,7 +141,7 @@ async fn a_nul_record_and_a_3kb_id_between_good_records_are_refused_and_every_pa
     // The refused ids went nowhere near the inbox: the 3 KB one is answered under the
     // record's coordinates.
     assert_eq!(
-        env.count("SELECT COUNT(*) FROM inbox WHERE source_id LIKE 'kafka:%'")
+        env.count("SELECT COUNT(*) FROM inbox WHERE source_id LIKE 'default/kafka:%'")
             .await,
         1
     );
@@ -295,7 +295,7 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
     assert_eq!(IngestStats::get(&stats.accepted), 20);
     assert_eq!(IngestStats::get(&stats.rejected), 2);
     assert_eq!(
-        env.count("SELECT COUNT(*) FROM inbox WHERE decision = 'rejected' AND source_id IN ('bad-1', 'bad-2')")
+        env.count("SELECT COUNT(*) FROM inbox WHERE decision = 'rejected' AND source_id IN ('acme/bad-1', 'acme/bad-2')")
             .await,
         2,
         "answered under their own event ids"

@@ -72,6 +72,15 @@ fn the_proposal_schema_agrees_with_the_decoder() {
         ("namespace", Some(json!(""))),
         ("intent", Some(json!(7))),
         ("arguments", Some(json!({}))),
+        // DESIGN.md section 9: control characters and over-long ids.
+        ("event_id", Some(json!("a\u{0}b"))),
+        ("agent_id", Some(json!("bot\n"))),
+        ("workflow_id", Some(json!("x".repeat(257)))),
+        ("workflow_id", Some(json!("x".repeat(256)))),
+        ("tool", Some(json!("pay\u{7f}"))),
+        ("entity", Some(json!({"type": "order", "id": "o\r1"}))),
+        ("step", Some(json!(9_223_372_036_854_775_807u64))),
+        ("step", Some(json!(9_223_372_036_854_775_808u64))),
     ];
     for (field, value) in mutations {
         let mut v = design_proposal();

@@ -64,7 +64,13 @@ pub(crate) struct InboxRow {
     pub decision: String,
     pub reason: Option<String>,
     pub operation_id: Option<Uuid>,
+    /// The content fingerprint of the proposal that made it (`None` for rows written
+    /// before fingerprints were kept, and for proposals that could not be decoded).
+    pub fingerprint: Option<String>,
 }
+
+/// A new inbox row: its key (`{namespace}/{event_id}`), delivery and fingerprint.
+pub(crate) type NewInbox<'a> = (&'a str, &'a Delivery, Option<&'a str>);
 
 /// The statements a backend provides inside one open transaction.
 pub(crate) trait Tx: Send {
@@ -73,8 +79,7 @@ pub(crate) trait Tx: Send {
     /// Inserts an inbox row (decision `accepted`, no operation yet); false if it exists.
     fn insert_inbox(
         &mut self,
-        event_id: &str,
-        delivery: &Delivery,
+        row: NewInbox<'_>,
         at: OffsetDateTime,
     ) -> impl Future<Output = Result<bool>> + Send;
     /// An existing inbox row: decision, reason, operation.
@@ -196,13 +201,13 @@ pub(crate) trait Tx: Send {
     /// statement per row; a backend with costly round trips overrides it.
     fn insert_inbox_batch(
         &mut self,
-        rows: &[(&str, &Delivery)],
+        rows: &[NewInbox<'_>],
         at: OffsetDateTime,
     ) -> impl Future<Output = Result<Vec<bool>>> + Send {
         async move {
             let mut inserted = Vec::with_capacity(rows.len());
-            for (event_id, delivery) in rows {
-                inserted.push(self.insert_inbox(event_id, delivery, at).await?);
+            for row in rows {
+                inserted.push(self.insert_inbox(*row, at).await?);
             }
             Ok(inserted)
         }
@@ -470,11 +475,16 @@ fn new_operation(env: &Envelope, at: OffsetDateTime) -> Operation {
 /// by row against the operations they hit.
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
-    let deliveries: Vec<(&str, &Delivery)> = batch
+    let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
+    let deliveries: Vec<NewInbox<'_>> = batch
         .iter()
-        .map(|item| match item {
-            IngestItem::Accepted(env) => (env.event_id.as_str(), &env.delivery),
-            IngestItem::Rejected(rej) => (rej.event_id.as_str(), &rej.delivery),
+        .zip(&keys)
+        .map(|(item, key)| {
+            let delivery = match item {
+                IngestItem::Accepted(env) => &env.delivery,
+                IngestItem::Rejected(rej) => &rej.delivery,
+            };
+            (key.as_str(), delivery, item.content_fingerprint())
         })
         .collect();
     // The inbox row is claimed first: a concurrent transaction ingesting the same event
@@ -524,25 +534,46 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     let mut existing_by_key = tx.lock_operations_by_keys(&dup_keys).await?;
     // Existing operations hit by duplicates in this batch, by key, as they stand now.
     let mut hit: HashMap<(String, String), Operation> = HashMap::new();
-    let mut decided: HashMap<&str, (IngestDecision, Option<Operation>)> = HashMap::new();
+    let mut decided: HashMap<&str, (IngestDecision, Option<Operation>, Option<&str>)> =
+        HashMap::new();
     let mut outcomes = Vec::with_capacity(batch.len());
     for (i, item) in batch.iter().enumerate() {
-        let event_id = deliveries[i].0;
+        let inbox_key = deliveries[i].0;
+        let event_id = item.event_id();
         if !fresh[i] {
             // A redelivery: of an event decided earlier in this batch, or in an earlier one.
-            let (decision, operation) = match decided.get(event_id) {
-                Some((decision, op)) => (decision.clone(), op.clone()),
+            let (decision, operation, first) = match decided.get(inbox_key) {
+                Some((decision, op, fingerprint)) => {
+                    (decision.clone(), op.clone(), fingerprint.map(str::to_owned))
+                }
                 None => {
                     let row = inbox_rows
-                        .get(event_id)
-                        .ok_or_else(|| Error::Corrupt(format!("inbox row {event_id} vanished")))?;
+                        .get(inbox_key)
+                        .ok_or_else(|| Error::Corrupt(format!("inbox row {inbox_key} vanished")))?;
                     let operation = row.operation_id.and_then(|id| prior.get(&id).cloned());
                     (
                         IngestDecision::from_row(&row.decision, row.reason.clone()),
                         operation,
+                        row.fingerprint.clone(),
                     )
                 }
             };
+            if let (Some(first), Some(this)) = (first.as_deref(), item.content_fingerprint()) {
+                if first != this {
+                    // The same event id with other content: not a redelivery. Answered
+                    // as refused; the first decision stands.
+                    outbox.push(rejection_row(&event_id_conflict(item, &decision), now)?);
+                    outcomes.push(IngestOutcome {
+                        event_id: event_id.to_owned(),
+                        decision: IngestDecision::Rejected {
+                            reason: "event_id_conflict".into(),
+                        },
+                        inbox_hit: false,
+                        operation: None,
+                    });
+                    continue;
+                }
+            }
             outcomes.push(IngestOutcome {
                 event_id: event_id.to_owned(),
                 decision,
@@ -608,7 +639,14 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             decision.clone(),
             operation.as_ref().map(|o| o.operation_id),
         ));
-        decided.insert(event_id, (decision.clone(), operation.clone()));
+        decided.insert(
+            inbox_key,
+            (
+                decision.clone(),
+                operation.clone(),
+                item.content_fingerprint(),
+            ),
+        );
         outcomes.push(IngestOutcome {
             event_id: event_id.to_owned(),
             decision,
@@ -657,6 +695,36 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     Ok(outcomes)
 }
 
+/// The refusal of a proposal that reuses an event id with other content.
+fn event_id_conflict(item: &IngestItem, first: &IngestDecision) -> RejectedProposal {
+    let mut rejected = match item {
+        IngestItem::Accepted(env) => RejectedProposal {
+            event_id: env.event_id.clone(),
+            delivery: env.delivery.clone(),
+            namespace: Some(env.key.namespace.clone()),
+            workflow_id: env.workflow_id.clone(),
+            step: env.step,
+            tool: Some(env.tool.clone()),
+            entity: Some(env.entity.clone()),
+            rejection: Rejection {
+                reason: "event_id_conflict",
+                message: String::new(),
+            },
+            content_fingerprint: Some(env.content_fingerprint.clone()),
+        },
+        IngestItem::Rejected(r) => (**r).clone(),
+    };
+    rejected.rejection = Rejection {
+        reason: "event_id_conflict",
+        message: format!(
+            "event id `{}` was already used by a proposal with other content (decided {}); a new proposal needs a new event id",
+            rejected.event_id,
+            first.as_str()
+        ),
+    };
+    rejected
+}
+
 /// A proposal whose key names an existing operation: a dedupe hit (a new result with the
 /// next sequence number), or a key conflict when the tool differs or, for the
 /// workflow_step strategy, the arguments differ.
@@ -694,6 +762,7 @@ fn duplicate(
                 reason: "key_conflict",
                 message,
             },
+            content_fingerprint: Some(env.content_fingerprint.clone()),
         };
         outbox.push(rejection_row(&rejected, now)?);
         let decision = IngestDecision::Rejected {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use opgate_core::{Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
+use opgate_core::{Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
 use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
@@ -14,7 +14,9 @@ use uuid::Uuid;
 use crate::common::{
     QUEUE_DEPTH_SQL, corrupt, live_sql, millis, page_size, paginate, parse_cursor, source_columns,
 };
-use crate::flow::{self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
+use crate::flow::{
+    self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
+};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
@@ -163,27 +165,13 @@ impl Tx for PgTx {
             .await?)
     }
 
-    async fn insert_inbox(
-        &mut self,
-        event_id: &str,
-        delivery: &Delivery,
-        at: OffsetDateTime,
-    ) -> Result<bool> {
-        let inserted = self.insert_inbox_batch(&[(event_id, delivery)], at).await?;
+    async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
+        let inserted = self.insert_inbox_batch(&[row], at).await?;
         Ok(inserted.first().copied().unwrap_or(false))
     }
 
-    async fn inbox(&mut self, event_id: &str) -> Result<Option<InboxRow>> {
-        let row: Option<(String, Option<String>, Option<Uuid>)> =
-            sqlx::query_as("SELECT decision, reason, operation_id FROM inbox WHERE source_id = $1")
-                .bind(event_id)
-                .fetch_optional(&mut *self.0)
-                .await?;
-        Ok(row.map(|(decision, reason, operation_id)| InboxRow {
-            decision,
-            reason,
-            operation_id,
-        }))
+    async fn inbox(&mut self, key: &str) -> Result<Option<InboxRow>> {
+        Ok(self.inbox_batch(&[key]).await?.remove(key))
     }
 
     async fn set_inbox(
@@ -368,21 +356,24 @@ impl Tx for PgTx {
         if event_ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let rows: Vec<(String, String, Option<String>, Option<Uuid>)> = sqlx::query_as(
-            "SELECT source_id, decision, reason, operation_id FROM inbox WHERE source_id = ANY($1)",
-        )
-        .bind(event_ids)
-        .fetch_all(&mut *self.0)
-        .await?;
+        let rows: Vec<(String, String, Option<String>, Option<Uuid>, Option<String>)> =
+            sqlx::query_as(
+                "SELECT source_id, decision, reason, operation_id, fingerprint FROM inbox \
+                 WHERE source_id = ANY($1)",
+            )
+            .bind(event_ids)
+            .fetch_all(&mut *self.0)
+            .await?;
         Ok(rows
             .into_iter()
-            .map(|(id, decision, reason, operation_id)| {
+            .map(|(id, decision, reason, operation_id, fingerprint)| {
                 (
                     id,
                     InboxRow {
                         decision,
                         reason,
                         operation_id,
+                        fingerprint,
                     },
                 )
             })
@@ -434,29 +425,30 @@ impl Tx for PgTx {
 
     async fn insert_inbox_batch(
         &mut self,
-        rows: &[(&str, &Delivery)],
+        rows: &[NewInbox<'_>],
         at: OffsetDateTime,
     ) -> Result<Vec<bool>> {
         let mut inserted = std::collections::HashSet::new();
         for chunk in rows.chunks(CHUNK) {
             let mut qb = QueryBuilder::<Postgres>::new(
-                r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at) "#,
+                r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at, fingerprint) "#,
             );
-            qb.push_values(chunk, |mut b, (event_id, delivery)| {
+            qb.push_values(chunk, |mut b, (key, delivery, fingerprint)| {
                 let (topic, partition, offset) = source_columns(delivery);
-                b.push_bind(*event_id)
+                b.push_bind(*key)
                     .push_bind(topic)
                     .push_bind(partition)
                     .push_bind(offset)
                     .push_bind("accepted")
-                    .push_bind(at);
+                    .push_bind(at)
+                    .push_bind(*fingerprint);
             });
             qb.push(" ON CONFLICT (source_id) DO NOTHING RETURNING source_id");
             let ids: Vec<String> = qb.build_query_scalar().fetch_all(&mut *self.0).await?;
             inserted.extend(ids);
         }
         // The first row of a repeated event id is the one that inserted it.
-        Ok(rows.iter().map(|(id, _)| inserted.remove(*id)).collect())
+        Ok(rows.iter().map(|(id, _, _)| inserted.remove(*id)).collect())
     }
 
     async fn insert_operations_batch(&mut self, ops: &[Operation]) -> Result<Vec<bool>> {

@@ -8,7 +8,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use opgate_core::{Delivery, Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
+use opgate_core::{Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
 use serde_json::Value;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -22,7 +22,9 @@ use uuid::Uuid;
 use crate::common::{
     QUEUE_DEPTH_SQL, corrupt, live_sql, millis, page_size, paginate, parse_cursor, source_columns,
 };
-use crate::flow::{self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewOutbox, Tx};
+use crate::flow::{
+    self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
+};
 use crate::schema::{self, SchemaStatus};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
@@ -219,43 +221,37 @@ impl Tx for SqliteTx {
         parse_ts(&now)
     }
 
-    async fn insert_inbox(
-        &mut self,
-        event_id: &str,
-        delivery: &Delivery,
-        at: OffsetDateTime,
-    ) -> Result<bool> {
+    async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
+        let (key, delivery, fingerprint) = row;
         let (topic, partition, offset) = source_columns(delivery);
         let done = sqlx::query(
-            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at)
-               VALUES ($1, $2, $3, $4, 'accepted', $5) ON CONFLICT (source_id) DO NOTHING"#,
+            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at, fingerprint)
+               VALUES ($1, $2, $3, $4, 'accepted', $5, $6) ON CONFLICT (source_id) DO NOTHING"#,
         )
-        .bind(event_id)
+        .bind(key)
         .bind(topic)
         .bind(partition)
         .bind(offset)
         .bind(ts(at))
+        .bind(fingerprint)
         .execute(&mut *self.0)
         .await?;
         Ok(done.rows_affected() == 1)
     }
 
-    async fn inbox(&mut self, event_id: &str) -> Result<Option<InboxRow>> {
-        let row: Option<(String, Option<String>, Option<String>)> =
-            sqlx::query_as("SELECT decision, reason, operation_id FROM inbox WHERE source_id = $1")
-                .bind(event_id)
-                .fetch_optional(&mut *self.0)
-                .await?;
-        row.map(|(decision, reason, operation_id)| {
+    async fn inbox(&mut self, key: &str) -> Result<Option<InboxRow>> {
+        let row: Option<(String, Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+            "SELECT decision, reason, operation_id, fingerprint FROM inbox WHERE source_id = $1",
+        )
+        .bind(key)
+        .fetch_optional(&mut *self.0)
+        .await?;
+        row.map(|(decision, reason, operation_id, fingerprint)| {
             Ok(InboxRow {
                 decision,
                 reason,
-                operation_id: operation_id
-                    .map(|s| {
-                        Uuid::parse_str(&s)
-                            .map_err(|e| Error::Corrupt(format!("inbox operation_id {s:?}: {e}")))
-                    })
-                    .transpose()?,
+                operation_id: operation_id.as_deref().map(parse_uuid).transpose()?,
+                fingerprint,
             })
         })
         .transpose()

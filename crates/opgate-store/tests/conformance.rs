@@ -70,6 +70,8 @@ conformance!(
     the_key_decides_before_the_guards,
     a_compensation_passes_writes_queued_behind_its_original,
     compensating_while_another_write_is_in_flight_is_a_conflict,
+    an_event_id_reused_with_other_content_is_a_conflict,
+    event_ids_are_per_namespace,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1595,4 +1597,85 @@ async fn compensating_while_another_write_is_in_flight_is_a_conflict(h: Harness)
         .await
         .expect("compensate once the entity is free");
     assert_eq!(original.status, Status::Compensating);
+}
+
+/// Issue 9, item 7: the same event id with other content is not a redelivery. It is
+/// refused (`event_id_conflict`, answered on the results) and the first decision stands;
+/// before, it silently returned the first decision and the new proposal was lost.
+async fn an_event_id_reused_with_other_content_is_a_conflict(h: Harness) {
+    let l = h.ledger.as_ref();
+    let first = l.ingest(&[pay("e1", "o1", "49.00")]).await.expect("ingest");
+    let first_op = first[0].operation.clone().expect("operation");
+    for other in [
+        pay("e1", "o1", "1000.00"),
+        pay("e1", "o2", "49.00"),
+        item(
+            "e1",
+            "notify",
+            ("user", "u1"),
+            json!({"to": "a@example.com"}),
+        ),
+        // Equivalent spellings are still other content: a redelivery is byte-for-byte
+        // the same proposal, re-serialized at most.
+        pay("e1", "o1", "49"),
+    ] {
+        let out = l.ingest(&[other]).await.expect("ingest");
+        assert_eq!(
+            out[0].decision,
+            IngestDecision::Rejected {
+                reason: "event_id_conflict".into()
+            }
+        );
+        assert!(!out[0].inbox_hit);
+        assert!(out[0].operation.is_none());
+    }
+    // The redelivery itself is still a plain inbox hit.
+    let again = l.ingest(&[pay("e1", "o1", "49.00")]).await.expect("ingest");
+    assert!(again[0].inbox_hit);
+    assert_eq!(
+        again[0].operation.as_ref().map(|o| o.operation_id),
+        Some(first_op.operation_id)
+    );
+    assert_eq!(ops_count(&h).await, 1);
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM result_outbox WHERE status = 'rejected'")
+            .await,
+        4,
+        "every refused reuse is answered"
+    );
+    // Inside one batch too.
+    let out = l
+        .ingest(&[pay("e9", "o9", "1"), pay("e9", "o9", "2")])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(
+        out[1].decision,
+        IngestDecision::Rejected {
+            reason: "event_id_conflict".into()
+        }
+    );
+    assert_eq!(ops_count(&h).await, 2);
+}
+
+/// Two namespaces' `evt-1` are two events (the inbox is keyed by namespace and event id).
+async fn event_ids_are_per_namespace(h: Harness) {
+    let l = h.ledger.as_ref();
+    let acme = pay("evt-1", "o1", "5");
+    let globex = item_with(
+        "evt-1",
+        "pay",
+        ("order", "o1"),
+        json!({"amount": "5", "currency": "usd"}),
+        json!({"namespace": "globex"}),
+    );
+    let out = l.ingest(&[acme, globex]).await.expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(out[1].decision, IngestDecision::Accepted);
+    assert!(!out[1].inbox_hit);
+    assert_ne!(
+        out[0].operation.as_ref().map(|o| o.operation_id),
+        out[1].operation.as_ref().map(|o| o.operation_id)
+    );
+    assert_eq!(ops_count(&h).await, 2);
 }
