@@ -356,14 +356,15 @@ impl Tx for PgTx {
         if event_ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let rows: Vec<(String, String, Option<String>, Option<Uuid>, Option<String>)> =
-            sqlx::query_as(
-                "SELECT source_id, decision, reason, operation_id, fingerprint FROM inbox \
+        /// source_id, decision, reason, operation_id, fingerprint.
+        type Row = (String, String, Option<String>, Option<Uuid>, Option<String>);
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT source_id, decision, reason, operation_id, fingerprint FROM inbox \
                  WHERE source_id = ANY($1)",
-            )
-            .bind(event_ids)
-            .fetch_all(&mut *self.0)
-            .await?;
+        )
+        .bind(event_ids)
+        .fetch_all(&mut *self.0)
+        .await?;
         Ok(rows
             .into_iter()
             .map(|(id, decision, reason, operation_id, fingerprint)| {

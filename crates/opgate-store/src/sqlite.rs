@@ -240,7 +240,9 @@ impl Tx for SqliteTx {
     }
 
     async fn inbox(&mut self, key: &str) -> Result<Option<InboxRow>> {
-        let row: Option<(String, Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+        /// decision, reason, operation_id, fingerprint.
+        type Row = (String, Option<String>, Option<String>, Option<String>);
+        let row: Option<Row> = sqlx::query_as(
             "SELECT decision, reason, operation_id, fingerprint FROM inbox WHERE source_id = $1",
         )
         .bind(key)
