@@ -5,12 +5,24 @@
 //! the broker's acknowledgements, and marks only the acknowledged rows published. A crash
 //! between publish and mark republishes those rows after their lease expires: the copies
 //! carry the same (operation_id, status, seq), which is what consumers dedupe on.
+//!
+//! One operation's results go out in `seq` order, across relays, restarts and failures:
+//! the ledger leases a row only with every earlier unpublished row of its operation
+//! (`claim_results`), and the relay sends an operation's rows one after the other, each
+//! only once the previous one was acknowledged, stopping at the first failure. The lease
+//! is longer than the producer's delivery timeout (`message.timeout.ms`), and no row is
+//! sent with less than one delivery timeout of lease left, so no row is still in flight
+//! when another relay may lease it.
 
 use std::time::Duration;
+
+use std::collections::HashMap;
 
 use opgate_store::{ClaimRequest, OutboxRow, SharedLedger};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -32,6 +44,21 @@ pub(crate) fn idempotent_producer(config: &KafkaConfig) -> Result<FutureProducer
     Ok(producer_config.create()?)
 }
 
+/// The producer's delivery timeout (`message.timeout.ms`) as configured.
+pub fn delivery_timeout(config: &KafkaConfig) -> Result<Duration> {
+    let producer_config = config.client_config()?;
+    let ms = producer_config
+        .get("message.timeout.ms")
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                crate::Error::Config(format!("message.timeout.ms `{v}` is not a number"))
+            })
+        })
+        .transpose()?
+        .unwrap_or(30_000);
+    Ok(Duration::from_millis(ms))
+}
+
 /// Publishes the result outbox.
 pub struct ResultsRelay {
     ledger: SharedLedger,
@@ -39,10 +66,18 @@ pub struct ResultsRelay {
     topic: String,
     claim: ClaimRequest,
     idle: Duration,
+    delivery_timeout: Duration,
 }
 
 impl ResultsRelay {
-    /// A relay that leases up to `batch` rows at a time for `lease`.
+    /// The default lease: twice the delivery timeout.
+    pub fn default_lease(config: &KafkaConfig) -> Result<Duration> {
+        Ok(delivery_timeout(config)? * 2)
+    }
+
+    /// A relay that leases up to `batch` rows at a time for `lease`, which must exceed
+    /// the producer's delivery timeout (else a row could still be in flight when its lease
+    /// ends and another relay sends it again, out of order).
     pub fn new(
         config: &KafkaConfig,
         ledger: SharedLedger,
@@ -50,7 +85,14 @@ impl ResultsRelay {
         batch: usize,
         lease: Duration,
     ) -> Result<Self> {
+        let delivery_timeout = delivery_timeout(config)?;
+        if lease <= delivery_timeout {
+            return Err(crate::Error::Config(format!(
+                "the relay lease {lease:?} must exceed the producer's delivery timeout (message.timeout.ms = {delivery_timeout:?})"
+            )));
+        }
         Ok(Self {
+            delivery_timeout,
             ledger,
             producer: idempotent_producer(config)?,
             topic: config.topic(RESULTS),
@@ -92,11 +134,12 @@ impl ResultsRelay {
 
     /// One round: lease, publish, mark. Returns how many rows were marked published.
     pub async fn relay_once(&self) -> Result<usize> {
+        let asked = Instant::now();
         let rows = self.ledger.claim_results(&self.claim).await?;
         if rows.is_empty() {
             return Ok(0);
         }
-        let acked = self.publish(&rows).await;
+        let acked = self.publish(&rows, asked + self.claim.lease).await;
         self.ledger.mark_published(&acked).await?;
         opgate_metrics::metrics()
             .results_published
@@ -109,36 +152,78 @@ impl ResultsRelay {
         Ok(acked.len())
     }
 
-    /// Produces rows and returns the ids the broker acknowledged. Rows that failed stay
-    /// unpublished and are retried once their lease expires.
-    pub async fn publish(&self, rows: &[OutboxRow]) -> Vec<i64> {
-        let mut pending = Vec::with_capacity(rows.len());
+    /// Produces leased rows (in id order) and returns the ids the broker acknowledged.
+    /// An operation's rows are sent one after the other, each once the previous one was
+    /// acknowledged; its first failure ends its chain, so a later result never overtakes
+    /// an earlier one. No row is sent once less than one delivery timeout is left before
+    /// `lease_ends`. Rows not acknowledged stay unpublished for a later round.
+    pub async fn publish(&self, rows: &[OutboxRow], lease_ends: Instant) -> Vec<i64> {
+        let mut chains: Vec<Vec<OutboxRow>> = Vec::new();
+        let mut chain_of: HashMap<uuid::Uuid, usize> = HashMap::new();
         for row in rows {
-            let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
-            let mut headers = OwnedHeaders::new();
-            if let Some(tp) = row.payload.get("traceparent").and_then(|v| v.as_str()) {
-                headers = headers.insert(Header {
-                    key: crate::ingest::TRACEPARENT,
-                    value: Some(tp),
-                });
-            }
-            let record = FutureRecord::to(&self.topic)
-                .key(&row.kafka_key)
-                .payload(&payload)
-                .headers(headers);
-            match self.producer.send_result(record) {
-                Ok(delivery) => pending.push((row.id, delivery)),
-                Err((e, _)) => warn!(error = %e, id = row.id, "result not enqueued"),
+            match row.operation_id {
+                Some(op) => {
+                    let i = *chain_of.entry(op).or_insert_with(|| {
+                        chains.push(Vec::new());
+                        chains.len() - 1
+                    });
+                    chains[i].push(row.clone());
+                }
+                None => chains.push(vec![row.clone()]),
             }
         }
-        let mut acked = Vec::with_capacity(pending.len());
-        for (id, delivery) in pending {
-            match delivery.await {
-                Ok(Ok(_)) => acked.push(id),
-                Ok(Err((e, _))) => warn!(error = %e, id, "result not acknowledged"),
-                Err(_) => warn!(id, "result delivery cancelled"),
+        let mut tasks = JoinSet::new();
+        for chain in chains {
+            let producer = self.producer.clone();
+            let topic = self.topic.clone();
+            let timeout = self.delivery_timeout;
+            tasks.spawn(async move {
+                let mut acked = Vec::with_capacity(chain.len());
+                for row in chain {
+                    if Instant::now() + timeout >= lease_ends {
+                        debug!(id = row.id, "lease too short to send; left for the next round");
+                        break;
+                    }
+                    match send(&producer, &topic, &row).await {
+                        Ok(()) => acked.push(row.id),
+                        Err(e) => {
+                            warn!(error = %e, id = row.id, "result not acknowledged; its operation's later results wait");
+                            break;
+                        }
+                    }
+                }
+                acked
+            });
+        }
+        let mut acked = Vec::with_capacity(rows.len());
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok(ids) => acked.extend(ids),
+                Err(e) => warn!(error = %e, "a publishing task failed"),
             }
         }
+        acked.sort_unstable();
         acked
     }
+}
+
+/// Produces one result row and waits for the broker's acknowledgement.
+async fn send(producer: &FutureProducer, topic: &str, row: &OutboxRow) -> Result<()> {
+    let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
+    let mut headers = OwnedHeaders::new();
+    if let Some(tp) = row.payload.get("traceparent").and_then(|v| v.as_str()) {
+        headers = headers.insert(Header {
+            key: crate::ingest::TRACEPARENT,
+            value: Some(tp),
+        });
+    }
+    let record = FutureRecord::to(topic)
+        .key(&row.kafka_key)
+        .payload(&payload)
+        .headers(headers);
+    producer
+        .send(record, rdkafka::util::Timeout::Never)
+        .await
+        .map(|_| ())
+        .map_err(|(e, _)| crate::Error::Kafka(e))
 }

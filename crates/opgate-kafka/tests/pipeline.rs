@@ -387,9 +387,14 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
     eventually("ingest", WAIT, || async { total(&stats) >= 100 }).await;
     worker.stop().await;
 
-    // Relay A leases and publishes, then dies before marking.
+    // Relay A leases and publishes, then dies before marking (a short delivery timeout,
+    // so a short lease is allowed).
+    let mut quick = env.config.clone();
+    quick
+        .client
+        .insert("message.timeout.ms".into(), "200".into());
     let crashed = ResultsRelay::new(
-        &env.config,
+        &quick,
         env.ledger.clone(),
         "relay-a",
         500,
@@ -406,7 +411,8 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
         })
         .await
         .expect("lease");
-    assert_eq!(crashed.publish(&rows).await.len(), 100);
+    let lease_ends = tokio::time::Instant::now() + Duration::from_secs(60);
+    assert_eq!(crashed.publish(&rows, lease_ends).await.len(), 100);
     drop(crashed);
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Relay B takes over once the lease has expired.

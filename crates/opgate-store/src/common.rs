@@ -75,3 +75,57 @@ pub(crate) fn live_sql() -> String {
 /// Unfinished dispatch-queue rows per state.
 pub(crate) const QUEUE_DEPTH_SQL: &str =
     "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state";
+
+/// The result rows a relay may lease so that each operation's results are published in
+/// order: of the candidates (`id`, operation), every row without an operation, and for
+/// each operation the longest run of its unpublished rows, from its oldest, that are all
+/// candidates. A row whose predecessor is leased elsewhere, locked by another claim or
+/// cut off by the batch limit waits, so it can never overtake it.
+pub(crate) fn in_order_prefix(
+    candidates: &[(i64, Option<Uuid>)],
+    unpublished: &[(Uuid, i64)],
+) -> Vec<i64> {
+    use std::collections::{BTreeSet, HashMap};
+    let chosen: BTreeSet<i64> = candidates.iter().map(|(id, _)| *id).collect();
+    let mut per_op: HashMap<Uuid, Vec<i64>> = HashMap::new();
+    for (op, id) in unpublished {
+        per_op.entry(*op).or_default().push(*id);
+    }
+    let mut keep: BTreeSet<i64> = candidates
+        .iter()
+        .filter(|(_, op)| op.is_none())
+        .map(|(id, _)| *id)
+        .collect();
+    for ids in per_op.values_mut() {
+        ids.sort_unstable();
+        keep.extend(ids.iter().take_while(|id| chosen.contains(id)));
+    }
+    keep.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_never_overtakes_an_earlier_one_of_its_operation() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        // a: 1, 3, 5 unpublished; 1 is leased elsewhere, so 3 and 5 wait.
+        // b: 2, 4 unpublished, both candidates. Row 6 has no operation.
+        let candidates = [
+            (2, Some(b)),
+            (3, Some(a)),
+            (4, Some(b)),
+            (5, Some(a)),
+            (6, None),
+        ];
+        let unpublished = [(a, 1), (b, 2), (a, 3), (b, 4), (a, 5)];
+        assert_eq!(in_order_prefix(&candidates, &unpublished), vec![2, 4, 6]);
+        // Once 1 is a candidate too, all of a's rows go, in a run.
+        let candidates = [(1, Some(a)), (3, Some(a)), (5, Some(a))];
+        assert_eq!(in_order_prefix(&candidates, &unpublished), vec![1, 3, 5]);
+        // A gap (3 locked by another claim) stops the run at the gap.
+        let candidates = [(1, Some(a)), (5, Some(a))];
+        assert_eq!(in_order_prefix(&candidates, &unpublished), vec![1]);
+    }
+}

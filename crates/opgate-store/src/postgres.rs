@@ -12,7 +12,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::common::{
-    QUEUE_DEPTH_SQL, corrupt, live_sql, millis, page_size, paginate, parse_cursor, source_columns,
+    QUEUE_DEPTH_SQL, corrupt, in_order_prefix, live_sql, millis, page_size, paginate, parse_cursor,
+    source_columns,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -726,18 +727,35 @@ impl Ledger for PgLedger {
     }
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
-        let rows = sqlx::query(
-            "UPDATE result_outbox SET claimed_by = $1, claimed_until = now() + $2 * interval '1 millisecond' \
-             WHERE id IN (SELECT id FROM result_outbox \
-                          WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
-                          ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED) \
-             RETURNING id, operation_id, seq, status, kafka_key, payload",
-        )
-        .bind(&request.owner)
-        .bind(millis(request.lease))
-        .bind(request.limit as i64)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows = in_tx!(self, |tx| {
+            let candidates: Vec<(i64, Option<Uuid>)> = sqlx::query_as(
+                "SELECT id, operation_id FROM result_outbox \
+                 WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+            )
+            .bind(request.limit as i64)
+            .fetch_all(&mut *tx.0)
+            .await?;
+            let ops: Vec<Uuid> = candidates.iter().filter_map(|(_, op)| *op).collect();
+            let unpublished: Vec<(Uuid, i64)> = sqlx::query_as(
+                "SELECT operation_id, id FROM result_outbox \
+                 WHERE published_at IS NULL AND operation_id = ANY($1)",
+            )
+            .bind(&ops)
+            .fetch_all(&mut *tx.0)
+            .await?;
+            let keep = in_order_prefix(&candidates, &unpublished);
+            sqlx::query(
+                "UPDATE result_outbox SET claimed_by = $1, claimed_until = now() + $2 * interval '1 millisecond' \
+                 WHERE id = ANY($3) \
+                 RETURNING id, operation_id, seq, status, kafka_key, payload",
+            )
+            .bind(&request.owner)
+            .bind(millis(request.lease))
+            .bind(&keep)
+            .fetch_all(&mut *tx.0)
+            .await?
+        })?;
         let mut out = rows
             .iter()
             .map(|row| {

@@ -20,7 +20,8 @@ use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
 use crate::common::{
-    QUEUE_DEPTH_SQL, corrupt, live_sql, millis, page_size, paginate, parse_cursor, source_columns,
+    QUEUE_DEPTH_SQL, corrupt, in_order_prefix, live_sql, millis, page_size, paginate, parse_cursor,
+    source_columns,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -658,17 +659,43 @@ impl Ledger for SqliteLedger {
         let rows = in_tx!(self, |tx| {
             let now = tx.now().await?;
             let until = now + time::Duration::milliseconds(millis(request.lease));
+            let candidates: Vec<(i64, Option<String>)> = sqlx::query_as(
+                "SELECT id, operation_id FROM result_outbox \
+                 WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < $1) \
+                 ORDER BY id LIMIT $2",
+            )
+            .bind(ts(now))
+            .bind(request.limit as i64)
+            .fetch_all(&mut *tx.0)
+            .await?;
+            let candidates = candidates
+                .into_iter()
+                .map(|(id, op)| Ok((id, op.as_deref().map(parse_uuid).transpose()?)))
+                .collect::<Result<Vec<_>>>()?;
+            let ops: Vec<String> = candidates
+                .iter()
+                .filter_map(|(_, op)| op.map(|u| u.to_string()))
+                .collect();
+            let unpublished: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT operation_id, id FROM result_outbox \
+                 WHERE published_at IS NULL AND operation_id IN (SELECT value FROM json_each($1))",
+            )
+            .bind(serde_json::to_string(&ops).unwrap_or_else(|_| "[]".into()))
+            .fetch_all(&mut *tx.0)
+            .await?;
+            let unpublished = unpublished
+                .into_iter()
+                .map(|(op, id)| Ok((parse_uuid(&op)?, id)))
+                .collect::<Result<Vec<_>>>()?;
+            let keep = in_order_prefix(&candidates, &unpublished);
             sqlx::query(
                 "UPDATE result_outbox SET claimed_by = $1, claimed_until = $2 \
-                 WHERE id IN (SELECT id FROM result_outbox \
-                              WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < $3) \
-                              ORDER BY id LIMIT $4) \
+                 WHERE id IN (SELECT value FROM json_each($3)) \
                  RETURNING id, operation_id, seq, status, kafka_key, payload",
             )
             .bind(&request.owner)
             .bind(ts(until))
-            .bind(ts(now))
-            .bind(request.limit as i64)
+            .bind(serde_json::to_string(&keep).unwrap_or_else(|_| "[]".into()))
             .fetch_all(&mut *tx.0)
             .await?
         })?;

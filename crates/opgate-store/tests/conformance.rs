@@ -72,6 +72,7 @@ conformance!(
     compensating_while_another_write_is_in_flight_is_a_conflict,
     an_event_id_reused_with_other_content_is_a_conflict,
     event_ids_are_per_namespace,
+    results_of_one_operation_are_leased_in_order,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1678,4 +1679,45 @@ async fn event_ids_are_per_namespace(h: Harness) {
         out[1].operation.as_ref().map(|o| o.operation_id)
     );
     assert_eq!(ops_count(&h).await, 2);
+}
+
+/// Issue 9, item 9: a result row is leased only with every earlier unpublished row of
+/// its operation, so no relay can publish a later state before an earlier one — not a
+/// second relay, and not a retry of a failed send.
+async fn results_of_one_operation_are_leased_in_order(h: Harness) {
+    let l = h.ledger.as_ref();
+    l.ingest(&[pay("e1", "o1", "1")]).await.expect("ingest");
+    let claim = claim_one(l, "w").await;
+    record_ok(
+        l,
+        Recording::new(
+            claim.operation.operation_id,
+            claim.operation.lease_epoch,
+            Event::Succeed,
+            "ok",
+        ),
+    )
+    .await;
+    // accepted (seq 1), dispatched (seq 2), completed_success (seq 3).
+    let first = l
+        .claim_results(&claim_request("relay-a", LONG, 1))
+        .await
+        .expect("claim");
+    assert_eq!(first.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![1]);
+    let second = l
+        .claim_results(&claim_request("relay-b", LONG, 10))
+        .await
+        .expect("claim");
+    assert!(
+        second.is_empty(),
+        "seq 2 and 3 wait while seq 1 is leased elsewhere: {second:?}"
+    );
+    // Relay A's send of seq 1 failed: nothing is marked. Its lease is still on; then it
+    // publishes and marks it, and the rest follows in order.
+    l.mark_published(&[first[0].id]).await.expect("mark");
+    let rest = l
+        .claim_results(&claim_request("relay-b", LONG, 10))
+        .await
+        .expect("claim");
+    assert_eq!(rest.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![2, 3]);
 }

@@ -122,12 +122,13 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
         tasks.spawn(async move { Ok(worker.run(token).await?) });
     }
     if has("relay") {
+        let kafka = config.kafka()?;
         let relay = opgate_kafka::ResultsRelay::new(
-            config.kafka()?,
+            kafka,
             ledger.clone(),
             owner.clone(),
             500,
-            Duration::from_secs(30),
+            opgate_kafka::ResultsRelay::default_lease(kafka)?,
         )?;
         let token = cancel.child_token();
         tasks.spawn(async move { Ok(relay.run(token).await?) });

@@ -371,7 +371,7 @@ pub async fn relay_all(env: &Env) -> usize {
         env.ledger.clone(),
         "test-relay",
         500,
-        Duration::from_secs(30),
+        opgate_kafka::ResultsRelay::default_lease(&env.config).expect("lease"),
     )
     .expect("relay");
     let mut total = 0;
