@@ -2,14 +2,19 @@
 //! (what happens at the provider, what the caller hears, how long it takes) and which
 //! counts the effects per key, so a test can prove "at most one effect" exactly.
 //!
-//! A call's script step has two independent halves, as in production: whether the
-//! provider *applied* the effect (a provider that honours keys applies a key once), and
-//! what the caller *heard* (a timeout after commit is `applied: true` with
-//! `SentNoAnswer`). Lookups see applied effects, optionally only after a lag.
+//! A call's step has two independent halves, as in production: whether the provider
+//! *applied* the effect (a provider that honours keys applies a key once), and what the
+//! caller *heard* (a timeout after commit is `applied: true` with `SentNoAnswer`). A step
+//! may also *hang*: the caller never hears anything, as when its process dies after the
+//! provider answered. Steps come from a queue ([`ScriptedProvider::script`]) or from a
+//! schedule, a function of (key, n-th call with that key) — deterministic whatever the
+//! interleaving of concurrent callers. Lookups see applied effects, optionally only a
+//! while after they were applied (an eventually consistent provider). A provider that
+//! honours keys may remember them only for a retention, as real ones do.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use opgate_core::Operation;
 use opgate_core::outcome::AdapterOutcome;
@@ -25,6 +30,8 @@ pub struct Step {
     pub heard: AdapterOutcome,
     /// How long the call takes.
     pub delay: Duration,
+    /// The caller never hears back (its process died mid-call).
+    pub hang: bool,
 }
 
 impl Step {
@@ -44,29 +51,63 @@ impl Step {
             applied,
             heard,
             delay: Duration::ZERO,
+            hang: false,
         }
     }
 }
+
+/// Calls in flight per entity, shared by the providers of several tools, and how often
+/// two calls on one entity overlapped.
+#[derive(Default)]
+pub struct Entities {
+    state: Mutex<(HashMap<String, u32>, u64)>,
+}
+
+impl Entities {
+    fn enter(&self, entity: &str) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let n = s.0.entry(entity.to_owned()).or_default();
+        *n += 1;
+        if *n > 1 {
+            s.1 += 1;
+        }
+    }
+
+    fn leave(&self, entity: &str) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = s.0.get_mut(entity) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    /// Times a call started while another call on its entity was in flight.
+    pub fn overlaps(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+}
+
+type Schedule = Box<dyn Fn(&str, u32) -> Step + Send + Sync>;
+type Lag = Box<dyn Fn(&str) -> Duration + Send + Sync>;
 
 #[derive(Default)]
 struct State {
     script: VecDeque<Step>,
     /// Applied effects per provider key (beyond the first: duplicates).
     effects: HashMap<String, u32>,
-    /// When each key's first effect was applied (call number), for lookup lag.
-    applied_at_call: HashMap<String, u64>,
+    /// Calls per key so far.
+    calls_per_key: HashMap<String, u32>,
+    /// When each key's effect was first and last applied.
+    applied: HashMap<String, (Instant, Instant)>,
     calls: u64,
-    lookups: u64,
-    /// Calls in flight per entity, and the most ever seen at once.
-    in_flight: HashMap<String, u32>,
-    overlaps: u64,
 }
 
 /// The scripted provider.
 pub struct ScriptedProvider {
     honours_key: bool,
-    /// Lookups miss an effect until this many further calls or lookups happened.
-    lookup_lag: u64,
+    retention: Option<Duration>,
+    schedule: Option<Schedule>,
+    lookup_lag: Option<Lag>,
+    entities: Arc<Entities>,
     state: Mutex<State>,
 }
 
@@ -76,15 +117,43 @@ impl ScriptedProvider {
     pub fn new(honours_key: bool) -> Self {
         Self {
             honours_key,
-            lookup_lag: 0,
+            retention: None,
+            schedule: None,
+            lookup_lag: None,
+            entities: Arc::default(),
             state: Mutex::new(State::default()),
         }
     }
 
-    /// Lookups miss a fresh effect for this many later calls or lookups (an eventually
-    /// consistent provider).
-    pub fn with_lookup_lag(mut self, lag: u64) -> Self {
-        self.lookup_lag = lag;
+    /// Steps from a schedule of (provider key, call number with that key from 1) once the
+    /// queued script is used up.
+    pub fn with_schedule(
+        mut self,
+        schedule: impl Fn(&str, u32) -> Step + Send + Sync + 'static,
+    ) -> Self {
+        self.schedule = Some(Box::new(schedule));
+        self
+    }
+
+    /// Lookups of a key miss its applied effect for this long after it was applied.
+    pub fn with_lookup_lag(
+        mut self,
+        lag: impl Fn(&str) -> Duration + Send + Sync + 'static,
+    ) -> Self {
+        self.lookup_lag = Some(Box::new(lag));
+        self
+    }
+
+    /// A key is honoured only this long after its last application; later, a call with
+    /// it is a new effect.
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// Tracks calls in flight per entity together with other providers.
+    pub fn with_entities(mut self, entities: Arc<Entities>) -> Self {
+        self.entities = entities;
         self
     }
 
@@ -92,7 +161,7 @@ impl ScriptedProvider {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Appends steps to the script; calls past the script succeed.
+    /// Appends steps to the script; calls past the script follow the schedule, or succeed.
     pub fn script(&self, steps: impl IntoIterator<Item = Step>) {
         self.state().script.extend(steps);
     }
@@ -112,9 +181,9 @@ impl ScriptedProvider {
         self.state().calls
     }
 
-    /// Times two calls on one entity overlapped.
+    /// Times two calls on one entity overlapped (on the shared tracker).
     pub fn overlaps(&self) -> u64 {
-        self.state().overlaps
+        self.entities.overlaps()
     }
 }
 
@@ -122,31 +191,44 @@ impl ScriptedProvider {
 impl ToolAdapter for ScriptedProvider {
     async fn dispatch(&self, request: &DispatchRequest<'_>) -> CallReport {
         let entity = request.operation.entity_key.clone();
+        let key = request.provider_key.to_owned();
         let step = {
             let mut s = self.state();
             s.calls += 1;
-            let n = s.in_flight.entry(entity.clone()).or_default();
-            *n += 1;
-            if *n > 1 {
-                s.overlaps += 1;
+            let n = {
+                let n = s.calls_per_key.entry(key.clone()).or_default();
+                *n += 1;
+                *n
+            };
+            match s.script.pop_front() {
+                Some(step) => step,
+                None => self
+                    .schedule
+                    .as_ref()
+                    .map_or_else(Step::ok, |schedule| schedule(&key, n)),
             }
-            s.script.pop_front().unwrap_or_else(Step::ok)
         };
+        self.entities.enter(&entity);
         if !step.delay.is_zero() {
             tokio::time::sleep(step.delay).await;
         }
-        let key = request.provider_key.to_owned();
         {
             let mut s = self.state();
-            if let Some(n) = s.in_flight.get_mut(&entity) {
-                *n = n.saturating_sub(1);
-            }
-            let known = s.effects.get(&key).copied().unwrap_or(0) > 0;
-            if step.applied && !(self.honours_key && known) {
-                let calls = s.calls;
+            let now = Instant::now();
+            let remembered = s.applied.get(&key).is_some_and(|(_, last)| {
+                self.retention
+                    .is_none_or(|retention| now.duration_since(*last) < retention)
+            });
+            if step.applied && !(self.honours_key && remembered) {
                 *s.effects.entry(key.clone()).or_default() += 1;
-                s.applied_at_call.entry(key.clone()).or_insert(calls);
+                let first = s.applied.get(&key).map_or(now, |(first, _)| *first);
+                s.applied.insert(key.clone(), (first, now));
             }
+        }
+        self.entities.leave(&entity);
+        if step.hang {
+            // The provider is done; the caller's process is gone.
+            std::future::pending::<()>().await;
         }
         let committed = matches!(step.heard, AdapterOutcome::Committed { .. });
         CallReport {
@@ -161,19 +243,22 @@ impl ToolAdapter for ScriptedProvider {
     }
 
     async fn lookup(&self, _operation: &Operation, provider_key: &str) -> Option<Lookup> {
-        let mut s = self.state();
-        s.lookups += 1;
-        let seen_after = s
-            .applied_at_call
+        let lag = self
+            .lookup_lag
+            .as_ref()
+            .map_or(Duration::ZERO, |lag| lag(provider_key));
+        let s = self.state();
+        let visible = s
+            .applied
             .get(provider_key)
-            .map(|at| at + self.lookup_lag);
-        let clock = s.calls + s.lookups;
-        Some(match seen_after {
-            Some(after) if clock > after => Lookup::Found {
+            .is_some_and(|(first, _)| first.elapsed() >= lag);
+        Some(if visible {
+            Lookup::Found {
                 result: Some(json!({"key": provider_key})),
                 external_id: Some(format!("obj-{provider_key}")),
-            },
-            _ => Lookup::NotFound,
+            }
+        } else {
+            Lookup::NotFound
         })
     }
 }

@@ -137,12 +137,12 @@ impl Reconciler {
         let epoch = claim.epoch();
         let tool = self.registry.tool(&op.tool);
         let adapter = self.adapters.get(&op.tool);
-        // Counted from when the effect may first have happened: the lookup grace (a
-        // provider's propagation lag) runs from the ambiguous attempt, not from when the
-        // ledger noticed.
+        // Counted from when the outcome became unknown: after the latest attempt ended (or
+        // its lease ran out), so after any effect it had. A provider's propagation lag
+        // (the lookup grace) runs from the effect, never from an earlier attempt.
         let since = match op.status {
             Status::Acknowledged => op.first_attempt_at,
-            _ => op.ambiguous_since.or(op.unknown_since),
+            _ => op.unknown_since,
         }
         .unwrap_or(now);
         let waited = between(since, now);

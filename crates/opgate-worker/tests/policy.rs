@@ -218,8 +218,9 @@ async fn a_resend_after_the_providers_retention_is_never_sent() {
         Some("resend_window_passed")
     );
     assert_eq!(w.provider.calls(), 1, "no blind resend");
-    // The lookup misses past the grace: proof of absence, so the ambiguity is settled
-    // and the next attempt is a fresh send.
+    // The lookup misses past the grace (200 ms): proof of absence, so the ambiguity is
+    // settled and the next attempt is a fresh send.
+    tokio::time::sleep(Duration::from_millis(250)).await;
     w.reconciler.run_once().await.expect("reconcile");
     let op = w.op(id).await;
     assert_eq!(op.status, Status::PendingDispatch);
