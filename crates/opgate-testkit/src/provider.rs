@@ -109,6 +109,8 @@ pub struct ScriptedProvider {
     lookup_lag: Option<Lag>,
     entities: Arc<Entities>,
     state: Mutex<State>,
+    /// Set once hung calls may return (the test is over).
+    released: tokio::sync::watch::Sender<bool>,
 }
 
 impl ScriptedProvider {
@@ -122,7 +124,14 @@ impl ScriptedProvider {
             lookup_lag: None,
             entities: Arc::default(),
             state: Mutex::new(State::default()),
+            released: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Lets every hung call return (its outcome is then refused as stale, or recorded:
+    /// call this only after the test's checks), so the tasks end and release the ledger.
+    pub fn release_hung_calls(&self) {
+        self.released.send_replace(true);
     }
 
     /// Steps from a schedule of (provider key, call number with that key from 1) once the
@@ -227,8 +236,9 @@ impl ToolAdapter for ScriptedProvider {
         }
         self.entities.leave(&entity);
         if step.hang {
-            // The provider is done; the caller's process is gone.
-            std::future::pending::<()>().await;
+            // The provider is done; the caller's process is gone (until the test ends).
+            let mut released = self.released.subscribe();
+            let _ = released.wait_for(|done| *done).await;
         }
         let committed = matches!(step.heard, AdapterOutcome::Committed { .. });
         CallReport {

@@ -366,6 +366,10 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     if disorder > 0 {
         violations.push(format!("{disorder} results out of seq order"));
     }
+    // The "crashed" calls may return now, so their tasks end and the ledger is freed.
+    for p in providers.by_tool.values() {
+        p.release_hung_calls();
+    }
     if violations.is_empty() {
         Ok(())
     } else {
@@ -401,7 +405,8 @@ async fn seeded_fault_schedules_keep_every_invariant() {
         .try_init();
     let seeds = seeds();
     let total = seeds.len();
-    let parallel = if cfg!(feature = "integration") { 8 } else { 24 };
+    // PostgreSQL: each seed has its own schema and pools; stay well under max_connections.
+    let parallel = if cfg!(feature = "integration") { 3 } else { 24 };
     let mut pending = seeds.into_iter();
     let mut running = JoinSet::new();
     let mut failures = Vec::new();
