@@ -137,6 +137,33 @@ impl Status {
     pub fn is_claimable(self) -> bool {
         matches!(self, Self::PendingDispatch | Self::FailedRetryable)
     }
+
+    /// States the reconciler looks up.
+    pub fn is_reconcilable(self) -> bool {
+        matches!(self, Self::UnknownOutcome | Self::Acknowledged)
+    }
+
+    /// States in which the operation did not act and never will (refused, cancelled,
+    /// failed without effect, undone): they no longer count for a dedupe window or an
+    /// exclusive group.
+    pub fn never_acts(self) -> bool {
+        matches!(
+            self,
+            Self::Rejected | Self::Cancelled | Self::FailedPermanent | Self::Compensated
+        )
+    }
+
+    /// The states for which `pick` holds, as an SQL list of quoted names
+    /// (`'dispatched', 'acknowledged'`): the ledger's queries are written from these
+    /// functions, never from hand-kept lists.
+    pub fn sql_list(pick: impl Fn(Self) -> bool) -> String {
+        Self::ALL
+            .into_iter()
+            .filter(|s| pick(*s))
+            .map(|s| format!("'{}'", s.as_str()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl fmt::Display for Status {

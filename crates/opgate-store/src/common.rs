@@ -68,7 +68,7 @@ pub(crate) fn live_sql() -> String {
          MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) \
              ELSE updated_at END) AS oldest \
          FROM operations WHERE status NOT IN ({}) GROUP BY 1, 2, 3",
-        crate::types::TERMINAL_SQL
+        *crate::types::TERMINAL_SQL
     )
 }
 

@@ -309,8 +309,9 @@ pub(crate) struct GuardProbe<'a> {
     pub exclude_key: &'a str,
 }
 
-/// The statuses that no longer count for a guard.
-pub(crate) const GUARD_IGNORES: &str = "'rejected', 'cancelled', 'failed_permanent', 'compensated'";
+/// The statuses that no longer count for a guard ([`Status::never_acts`]).
+pub(crate) static GUARD_IGNORES: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| Status::sql_list(Status::never_acts));
 
 /// For each fresh, accepted proposal whose tool has guards: the reason and the key of
 /// the operation that suppresses it — an earlier proposal of this batch that becomes an

@@ -235,8 +235,9 @@ impl Tx for PgTx {
              WHERE entity_key = $1 AND tool = ANY($2) AND created_at >= $3 \
                AND ($4::text IS NULL OR args_fingerprint = $4) \
                AND NOT (namespace = $5 AND idempotency_key = $6) \
-               AND status NOT IN ({GUARD_IGNORES}) \
-             ORDER BY created_at LIMIT 1 FOR UPDATE"
+               AND status NOT IN ({ignores}) \
+             ORDER BY created_at LIMIT 1 FOR UPDATE",
+            ignores = *GUARD_IGNORES
         ))
         .bind(p.entity_key)
         .bind(p.tools)

@@ -375,8 +375,9 @@ impl Tx for SqliteTx {
              WHERE entity_key = $1 AND tool IN (SELECT value FROM json_each($2)) AND created_at >= $3 \
                AND ($4 IS NULL OR args_fingerprint = $4) \
                AND NOT (namespace = $5 AND idempotency_key = $6) \
-               AND status NOT IN ({GUARD_IGNORES}) \
-             ORDER BY created_at LIMIT 1"
+               AND status NOT IN ({ignores}) \
+             ORDER BY created_at LIMIT 1",
+            ignores = *GUARD_IGNORES
         ))
         .bind(p.entity_key)
         .bind(tools)

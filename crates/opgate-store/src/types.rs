@@ -299,7 +299,8 @@ pub struct LiveCount {
 }
 
 /// The terminal states as an SQL list (live operations are the others).
-pub(crate) const TERMINAL_SQL: &str = "'completed_success', 'completed_noop', 'failed_permanent', 'rejected', 'cancelled', 'compensated'";
+pub(crate) static TERMINAL_SQL: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| Status::sql_list(Status::is_terminal));
 
 /// A page of operations.
 #[derive(Debug, Clone, PartialEq)]

@@ -73,6 +73,8 @@ conformance!(
     an_event_id_reused_with_other_content_is_a_conflict,
     event_ids_are_per_namespace,
     results_of_one_operation_are_leased_in_order,
+    the_schemas_state_lists_are_the_state_machines,
+    two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1720,4 +1722,76 @@ async fn results_of_one_operation_are_leased_in_order(h: Harness) {
         .await
         .expect("claim");
     assert_eq!(rest.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![2, 3]);
+}
+
+/// The schema's state lists (the per-entity index, the lease and reconcile indexes) say
+/// exactly what `Status` says; a state added to one and not the other fails here.
+async fn the_schemas_state_lists_are_the_state_machines(h: Harness) {
+    let definition = |index: &str| {
+        let sql = match h.dialect() {
+            "sqlite" => format!("SELECT sql FROM sqlite_master WHERE name = '{index}'"),
+            _ => format!("SELECT indexdef FROM pg_indexes WHERE indexname = '{index}'"),
+        };
+        let h = &h;
+        async move { h.text(&sql).await }
+    };
+    let checks: [(&str, fn(Status) -> bool); 3] = [
+        ("operations_one_write_in_flight", Status::holds_entity),
+        ("operations_reconcile", Status::is_reconcilable),
+        ("operations_lease", |s| s == Status::Dispatched),
+    ];
+    for (index, listed) in checks {
+        let def = definition(index).await;
+        for status in Status::ALL {
+            assert_eq!(
+                def.contains(&format!("'{}'", status.as_str())),
+                listed(status),
+                "{index} and Status disagree on {status}: {def}"
+            );
+        }
+    }
+}
+
+/// For every state: a second write on the entity can be dispatched exactly when the
+/// first one's state does not hold the entity — the schema itself says so.
+async fn two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it(h: Harness) {
+    let l = h.ledger.as_ref();
+    for (i, status) in Status::ALL.into_iter().enumerate() {
+        let order = format!("o{i}");
+        let out = l
+            .ingest(&[
+                pay(&format!("a{i}"), &order, "1"),
+                pay(&format!("b{i}"), &order, "2"),
+            ])
+            .await
+            .expect("ingest");
+        let ids: Vec<String> = out
+            .iter()
+            .map(|o| {
+                o.operation
+                    .as_ref()
+                    .expect("operation")
+                    .operation_id
+                    .to_string()
+            })
+            .collect();
+        h.exec(&format!(
+            "UPDATE operations SET status = '{}' WHERE operation_id = '{}'",
+            status.as_str(),
+            ids[0]
+        ))
+        .await
+        .expect("the first write takes any state");
+        let second = h
+            .exec(&format!(
+                "UPDATE operations SET status = 'dispatched' WHERE operation_id = '{}'",
+                ids[1]
+            ))
+            .await;
+        assert_eq!(
+            second.is_err(),
+            status.holds_entity(),
+            "{status}: {second:?}"
+        );
+    }
 }

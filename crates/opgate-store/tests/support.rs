@@ -140,6 +140,24 @@ impl Harness {
                 .expect("count"),
         }
     }
+
+    /// The one text value a query returns.
+    pub async fn text(&self, sql: &str) -> String {
+        match &self.raw {
+            Raw::Sqlite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.expect("text"),
+            #[cfg(feature = "integration")]
+            Raw::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.expect("text"),
+        }
+    }
+
+    /// `sqlite` or `postgres`.
+    pub fn dialect(&self) -> &'static str {
+        match &self.raw {
+            Raw::Sqlite(_) => "sqlite",
+            #[cfg(feature = "integration")]
+            Raw::Postgres(_) => "postgres",
+        }
+    }
 }
 
 pub async fn sqlite() -> Harness {
