@@ -1735,7 +1735,8 @@ async fn the_schemas_state_lists_are_the_state_machines(h: Harness) {
         let h = &h;
         async move { h.text(&sql).await }
     };
-    let checks: [(&str, fn(Status) -> bool); 3] = [
+    type Listed = fn(Status) -> bool;
+    let checks: [(&str, Listed); 3] = [
         ("operations_one_write_in_flight", Status::holds_entity),
         ("operations_reconcile", Status::is_reconcilable),
         ("operations_lease", |s| s == Status::Dispatched),
