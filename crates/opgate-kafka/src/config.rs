@@ -52,6 +52,10 @@ pub struct BatchConfig {
     /// Longest wait for a batch to fill, in milliseconds (default 20).
     #[serde(default = "default_max_wait_ms")]
     pub max_wait_ms: u64,
+    /// `/readyz` turns red once a partition has not been able to store a batch for this
+    /// long, in milliseconds (default 60000).
+    #[serde(default = "default_unready_after_stall_ms")]
+    pub unready_after_stall_ms: u64,
 }
 
 impl Default for BatchConfig {
@@ -59,8 +63,13 @@ impl Default for BatchConfig {
         Self {
             max_messages: default_max_messages(),
             max_wait_ms: default_max_wait_ms(),
+            unready_after_stall_ms: default_unready_after_stall_ms(),
         }
     }
+}
+
+fn default_unready_after_stall_ms() -> u64 {
+    60_000
 }
 
 fn default_group() -> String {

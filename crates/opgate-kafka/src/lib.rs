@@ -21,7 +21,7 @@ pub mod topics;
 
 pub use config::KafkaConfig;
 pub use embedded::EmbeddedBroker;
-pub use ingest::{IngestStats, IngestWorker};
+pub use ingest::{IngestHealth, IngestStats, IngestWorker};
 pub use probe::BrokerProbe;
 pub use relay::ResultsRelay;
 

@@ -182,8 +182,10 @@ impl sqlx::error::DatabaseError for Refused {
 }
 
 /// A ledger that refuses, like PostgreSQL refuses a NUL, every batch holding a proposal
-/// whose `args.note` is `refuse-me` — a value opgate's own checks let through.
-struct Refusing(SharedLedger);
+/// whose `args.note` is `refuse-me` — a value opgate's own checks let through — and,
+/// while `stall` is set, times out (a transient error) on every batch holding a proposal
+/// for an entity whose id starts with `stuck`.
+struct Refusing(SharedLedger, Arc<std::sync::atomic::AtomicBool>);
 
 #[async_trait::async_trait]
 impl Ledger for Refusing {
@@ -195,6 +197,13 @@ impl Ledger for Refusing {
             return Err(opgate_store::Error::Database(sqlx::Error::Database(
                 Box::new(Refused("22P05")),
             )));
+        }
+        let stalled = self.1.load(std::sync::atomic::Ordering::SeqCst)
+            && batch.iter().any(|item| {
+                matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("stuck"))
+            });
+        if stalled {
+            return Err(opgate_store::Error::Database(sqlx::Error::PoolTimedOut));
         }
         self.0.ingest(batch).await
     }
@@ -267,7 +276,7 @@ impl Ledger for Refusing {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
     let mut env = env(1).await;
-    env.ledger = Arc::new(Refusing(env.ledger.clone()));
+    env.ledger = Arc::new(Refusing(env.ledger.clone(), Arc::default()));
     let refused = |event_id: &str| {
         json!({"event_id": event_id, "namespace": "acme", "tool": "email",
             "entity": {"type": "user", "id": event_id}, "args": {"to": "a@example.com", "note": "refuse-me"}})
@@ -321,4 +330,57 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
     for r in refusals {
         assert_eq!(r["error"]["category"], "ledger_refused", "{r}");
     }
+}
+
+/// Each partition is its own pipeline: while partition 0 cannot store its batch (the
+/// ledger keeps timing out on it), partitions 1 and 2 are ingested and their offsets
+/// committed; the stall is reported for `/readyz`; once the ledger answers, partition 0
+/// catches up with nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stuck_partition_does_not_stop_the_others() {
+    let mut env = env(3).await;
+    let stall = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    env.ledger = Arc::new(Refusing(env.ledger.clone(), stall.clone()));
+    let mut records = vec![(0, good("s0", "stuck-0")), (0, good("s1", "stuck-1"))];
+    records.extend((0..5).map(|i| (1, good(&format!("a{i}"), &format!("a{i}")))));
+    records.extend((0..5).map(|i| (2, good(&format!("b{i}"), &format!("b{i}")))));
+    produce_to(&env, &records).await;
+    let mut config = env.config.clone();
+    config.batch.max_messages = 100;
+    let worker = opgate_kafka::IngestWorker::new(
+        &config,
+        env.ledger.clone(),
+        env.registry.clone(),
+        Limits::default(),
+    )
+    .expect("worker");
+    let stats = worker.stats();
+    let health = worker.health();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(worker.run(cancel.clone()));
+    eventually(
+        "partitions 1 and 2 committed while 0 is stuck",
+        WAIT,
+        || async { committed(&env, 3)[1..] == [5, 5] },
+    )
+    .await;
+    assert_eq!(IngestStats::get(&stats.accepted), 10);
+    assert!(committed(&env, 3)[0] < 2, "partition 0 has not moved");
+    let (partition, _) = health.longest_stall().expect("the stall is reported");
+    assert_eq!(partition, 0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(
+        health.check(Duration::from_secs(1)).is_err(),
+        "unready past the threshold"
+    );
+    assert!(health.check(Duration::from_secs(600)).is_ok());
+    stall.store(false, std::sync::atomic::Ordering::SeqCst);
+    eventually("partition 0 catches up", WAIT, || async {
+        committed(&env, 3) == vec![2, 5, 5]
+    })
+    .await;
+    assert_eq!(IngestStats::get(&stats.accepted), 12);
+    assert!(health.longest_stall().is_none());
+    cancel.cancel();
+    running.await.expect("join").expect("worker ok");
 }

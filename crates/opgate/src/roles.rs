@@ -58,6 +58,17 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let owner = format!("{}-{}", hostname(), std::process::id());
+    // The ingest worker is built first, so the API's /readyz can watch its partitions.
+    let ingest = if has("ingest") {
+        Some(opgate_kafka::IngestWorker::new(
+            config.kafka()?,
+            ledger.clone(),
+            registry.clone(),
+            config.limits,
+        )?)
+    } else {
+        None
+    };
     // Listeners first: a port that cannot be bound fails the start before any role has
     // claimed work it would then have to abandon.
     let mut api_addr = None;
@@ -80,6 +91,17 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                 Arc::new(move || {
                     let probe = probe.clone();
                     Box::pin(async move { probe.check().await })
+                }),
+            );
+        }
+        if let (Some(worker), Some(kafka)) = (&ingest, &config.kafka) {
+            let health = worker.health();
+            let threshold = Duration::from_millis(kafka.batch.unready_after_stall_ms);
+            state = state.with_check(
+                "ingest",
+                Arc::new(move || {
+                    let result = health.check(threshold);
+                    Box::pin(async move { result })
                 }),
             );
         }
@@ -111,13 +133,7 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             Ok(())
         });
     }
-    if has("ingest") {
-        let worker = opgate_kafka::IngestWorker::new(
-            config.kafka()?,
-            ledger.clone(),
-            registry.clone(),
-            config.limits,
-        )?;
+    if let Some(worker) = ingest {
         let token = cancel.child_token();
         tasks.spawn(async move { Ok(worker.run(token).await?) });
     }

@@ -1,34 +1,35 @@
 //! The ingest worker: `opgate.proposals` -> the ledger, exactly once per event id.
 //!
-//! One loop per worker: poll a batch (up to `max_messages` or `max_wait_ms`), split it by
-//! partition, and for each partition — concurrently — dead-letter the poison records
-//! (acknowledged by the broker first), then ingest the whole partition batch in one
-//! ledger transaction. Only then are that partition's offsets stored and committed.
-//! Until a batch is stored it is retried in place (ledger or DLQ down): the partition
-//! never moves past a record that is not stored.
+//! One consumer loop per worker reads records and hands each to its partition's lane
+//! ([`lane`]): every partition batches, dead-letters its poison records (acknowledged by
+//! the broker first), ingests its batch in one ledger transaction and only then stores
+//! and commits its offset — on its own, so one partition waiting for the ledger or the
+//! DLQ never stops another. Until a batch is stored it is retried in place: the partition
+//! never moves past a record that is not stored. A batch the ledger refuses for good is
+//! split until the refused records are alone; those are dead-lettered and answered.
 //!
-//! Rebalances: the loop never polls while a batch is in flight, and librdkafka runs the
-//! rebalance callbacks inside poll, so every batch has finished (and stored its offsets)
-//! before a partition is given up; the revoke callback commits them synchronously. A batch
-//! whose offsets could not be committed is redelivered to the new owner and dedupes in
-//! the inbox.
+//! Rebalances: the revoke callback commits what the lanes stored; the loop then stops the
+//! revoked partitions' lanes, abandoning a batch in flight without storing its offset —
+//! the new owner re-reads it and it dedupes in the inbox. A lane that panics stops the
+//! member (nothing commits past a batch it never stored).
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+mod lane;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use opgate_core::{
     Delivery, IngestItem, Limits, Proposal, Registry, RejectedProposal, Rejection, Source,
 };
 use opgate_store::{IngestDecision, IngestOutcome, SharedLedger};
+use rdkafka::ClientContext;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -71,8 +72,18 @@ impl IngestStats {
     }
 }
 
-/// The consumer context: commits stored offsets before partitions are revoked.
-pub struct IngestContext;
+/// The consumer context: commits stored offsets before partitions are revoked, and tells
+/// the consumer loop which partitions it lost.
+#[derive(Default)]
+pub struct IngestContext {
+    revoked: Mutex<Vec<i32>>,
+}
+
+impl IngestContext {
+    fn take_revoked(&self) -> Vec<i32> {
+        std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
 
 impl ClientContext for IngestContext {
     /// librdkafka's statistics (every `statistics.interval.ms`): the consumer lag of
@@ -105,12 +116,19 @@ impl ConsumerContext for IngestContext {
                 // "No offset stored" is the normal answer when nothing is new.
                 debug!(error = %e, "commit before revoke");
             }
+            let mut revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
+            revoked.extend(partitions.elements().iter().map(|e| e.partition()));
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(partitions) = rebalance {
             info!(count = partitions.count(), "partitions assigned");
+            // A partition this member paused before it lost it stays paused in
+            // librdkafka across a reassignment: a new lane starts unpaused.
+            if let Err(e) = consumer.resume(partitions) {
+                debug!(error = %e, "resume assigned partitions");
+            }
         }
     }
 }
@@ -149,6 +167,10 @@ struct DeadLetter {
 struct Shared {
     /// Test crash point: stop dead after this many ledger commits, before storing offsets.
     crash_after_commits: Option<u64>,
+    /// Set when the crash point fired.
+    crashed: AtomicBool,
+    /// Partitions whose batch could not be stored yet, since when.
+    health: Arc<IngestHealth>,
     ledger: SharedLedger,
     registry: Arc<Registry>,
     limits: Limits,
@@ -160,7 +182,7 @@ struct Shared {
 
 /// A consumer-group member ingesting `opgate.proposals`.
 pub struct IngestWorker {
-    consumer: StreamConsumer<IngestContext>,
+    consumer: Arc<StreamConsumer<IngestContext>>,
     shared: Arc<Shared>,
     max_messages: usize,
     max_wait: Duration,
@@ -186,11 +208,13 @@ impl IngestWorker {
             consumer_config.set("statistics.interval.ms", "5000");
         }
         let consumer: StreamConsumer<IngestContext> =
-            consumer_config.create_with_context(IngestContext)?;
+            consumer_config.create_with_context(IngestContext::default())?;
         Ok(Self {
-            consumer,
+            consumer: Arc::new(consumer),
             shared: Arc::new(Shared {
                 crash_after_commits: None,
+                crashed: AtomicBool::new(false),
+                health: Arc::default(),
                 ledger,
                 registry,
                 limits,
@@ -219,136 +243,135 @@ impl IngestWorker {
         self.shared.stats.clone()
     }
 
+    /// Which partitions cannot store their batch, for `/readyz`.
+    pub fn health(&self) -> Arc<IngestHealth> {
+        self.shared.health.clone()
+    }
+
     /// Consumes until `cancel` fires; then commits what is stored and leaves the group.
     /// A batch in flight when `cancel` fires is abandoned without storing its offsets:
     /// it is redelivered and dedupes in the inbox.
     pub async fn run(self, cancel: CancellationToken) -> Result<()> {
-        self.consumer.subscribe(&[&self.shared.proposals])?;
-        info!(topic = %self.shared.proposals, "ingest worker started");
-        while let Some(batch) = self.next_batch(&cancel).await {
-            if batch.is_empty() {
-                continue;
-            }
-            let stored = match self.process(batch, &cancel).await {
-                Ok(stored) => stored,
-                Err(e) => {
-                    // Offsets already stored for earlier batches are committed; this
-                    // batch's are not, so its records are redelivered to the next member.
-                    if let Err(commit) = self.consumer.commit_consumer_state(CommitMode::Sync) {
-                        debug!(error = %commit, "commit before stopping");
+        let topic = self.shared.proposals.clone();
+        self.consumer.subscribe(&[&topic])?;
+        info!(topic = %topic, "ingest worker started");
+        let mut lanes: HashMap<i32, lane::Lane> = HashMap::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        let outcome = loop {
+            tokio::select! {
+                m = self.consumer.recv() => match m {
+                    Ok(m) => {
+                        let record = copy(&m);
+                        let lane = lanes.entry(record.partition).or_insert_with(|| {
+                            lane::Lane::start(
+                                self.shared.clone(),
+                                self.consumer.clone(),
+                                lane::LaneConfig {
+                                    partition: record.partition,
+                                    max_messages: self.max_messages,
+                                    max_wait: self.max_wait,
+                                },
+                                cancel.child_token(),
+                            )
+                        });
+                        lane.push(record, &self.consumer, &topic);
                     }
-                    warn!(error = %e, "ingest worker stopping");
-                    return Err(e);
-                }
-            };
-            if let Some(limit) = self.shared.crash_after_commits {
-                if IngestStats::get(&self.shared.stats.batches) >= limit {
-                    warn!("crash point reached: stopping without storing offsets");
-                    return Err(Error::Crashed);
+                    Err(e) => {
+                        warn!(error = %e, "consumer error");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+                _ = tick.tick() => {}
+                () = cancel.cancelled() => break Ok(()),
+            }
+            for partition in self.consumer.context().take_revoked() {
+                if let Some(lane) = lanes.remove(&partition) {
+                    lane.stop();
                 }
             }
-            if !stored.is_empty() {
-                self.store_offsets(&stored);
+            if self.shared.crashed.load(Ordering::SeqCst) {
+                warn!("crash point reached: stopping without storing offsets");
+                for lane in lanes.values() {
+                    lane.handle.abort();
+                }
+                return Err(Error::Crashed);
             }
+            let mut failed = None;
+            for (partition, lane) in &mut lanes {
+                if lane.handle.is_finished() {
+                    // A lane ends on its own only when it panicked.
+                    failed = Some(*partition);
+                } else {
+                    lane.unpark(&self.consumer, &topic);
+                }
+            }
+            if let Some(partition) = failed {
+                let lane = lanes.remove(&partition);
+                let why = match lane {
+                    Some(lane) => match lane.handle.await {
+                        Err(e) => e.to_string(),
+                        Ok(()) => "the lane ended".to_owned(),
+                    },
+                    None => "the lane ended".to_owned(),
+                };
+                break Err(Error::PartitionTask(format!(
+                    "partition {partition}: {why}"
+                )));
+            }
+        };
+        // Stop every lane (a batch in flight is abandoned unstored), then commit what the
+        // lanes stored.
+        for lane in lanes.values() {
+            lane.stop();
+        }
+        for lane in lanes.into_values() {
+            let _ = lane.handle.await;
         }
         if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
             debug!(error = %e, "final commit");
         }
-        info!("ingest worker stopped");
-        Ok(())
+        match &outcome {
+            Ok(()) => info!("ingest worker stopped"),
+            Err(e) => warn!(error = %e, "ingest worker stopping"),
+        }
+        outcome
+    }
+}
+
+/// Which partitions cannot store their batch yet, and since when (for `/readyz`: a
+/// partition stuck past a threshold makes the process unready).
+#[derive(Debug, Default)]
+pub struct IngestHealth {
+    stalled: Mutex<HashMap<i32, Instant>>,
+}
+
+impl IngestHealth {
+    fn stalled(&self, partition: i32) {
+        let mut s = self.stalled.lock().unwrap_or_else(|e| e.into_inner());
+        s.entry(partition).or_insert_with(Instant::now);
     }
 
-    /// Polls one batch; `None` once cancelled.
-    async fn next_batch(&self, cancel: &CancellationToken) -> Option<Vec<Record>> {
-        let mut batch = Vec::new();
-        let first = tokio::select! {
-            m = self.consumer.recv() => m,
-            () = cancel.cancelled() => return None,
-        };
-        match first {
-            Ok(m) => batch.push(copy(&m)),
-            Err(e) => {
-                warn!(error = %e, "consumer error");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                return Some(batch);
-            }
-        }
-        let deadline = tokio::time::Instant::now() + self.max_wait;
-        while batch.len() < self.max_messages {
-            tokio::select! {
-                m = self.consumer.recv() => match m {
-                    Ok(m) => batch.push(copy(&m)),
-                    Err(e) => { warn!(error = %e, "consumer error"); break; }
-                },
-                () = tokio::time::sleep_until(deadline) => break,
-                () = cancel.cancelled() => break,
-            }
-        }
-        Some(batch)
+    fn stored(&self, partition: i32) {
+        let mut s = self.stalled.lock().unwrap_or_else(|e| e.into_inner());
+        s.remove(&partition);
     }
 
-    /// Processes a batch, partitions concurrently; returns (partition, last offset) for
-    /// every partition batch that is stored. A partition task that panicked is an error:
-    /// the member stops rather than commit later offsets past a batch it never stored.
-    async fn process(
-        &self,
-        batch: Vec<Record>,
-        cancel: &CancellationToken,
-    ) -> Result<Vec<(i32, i64)>> {
-        IngestStats::add(&self.shared.stats.records, batch.len() as u64);
-        let mut by_partition: BTreeMap<i32, Vec<Record>> = BTreeMap::new();
-        for record in batch {
-            by_partition
-                .entry(record.partition)
-                .or_default()
-                .push(record);
-        }
-        let mut tasks = JoinSet::new();
-        for (partition, records) in by_partition {
-            let shared = self.shared.clone();
-            let cancel = cancel.clone();
-            tasks.spawn(async move {
-                let last = records.last().map(|r| r.offset);
-                let stored = shared
-                    .store_partition_batch(partition, records, &cancel)
-                    .await;
-                last.filter(|_| stored).map(|offset| (partition, offset))
-            });
-        }
-        let mut stored = Vec::new();
-        let mut failed = None;
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok(Some(pair)) => stored.push(pair),
-                Ok(_) => {}
-                Err(e) => failed = Some(e.to_string()),
-            }
-        }
-        match failed {
-            Some(e) => Err(Error::PartitionTask(e)),
-            None => Ok(stored),
-        }
+    /// The partition stalled the longest, and for how long.
+    pub fn longest_stall(&self) -> Option<(i32, Duration)> {
+        let s = self.stalled.lock().unwrap_or_else(|e| e.into_inner());
+        s.iter()
+            .map(|(p, since)| (*p, since.elapsed()))
+            .max_by_key(|(_, d)| *d)
     }
 
-    fn store_offsets(&self, stored: &[(i32, i64)]) {
-        let mut list = TopicPartitionList::new();
-        for (partition, offset) in stored {
-            if let Err(e) = list.add_partition_offset(
-                &self.shared.proposals,
-                *partition,
-                Offset::Offset(offset + 1),
-            ) {
-                warn!(error = %e, partition, "building the offset list");
-            }
-        }
-        debug!(?stored, "batches stored; storing offsets");
-        // A partition revoked meanwhile cannot be stored: its new owner re-reads the batch,
-        // which dedupes in the inbox.
-        if let Err(e) = self.consumer.store_offsets(&list) {
-            debug!(error = %e, "storing offsets");
-        }
-        if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Async) {
-            debug!(error = %e, "committing offsets");
+    /// `Ok` unless a partition has been stuck for longer than `threshold`.
+    pub fn check(&self, threshold: Duration) -> std::result::Result<(), String> {
+        match self.longest_stall() {
+            Some((partition, stuck)) if stuck > threshold => Err(format!(
+                "partition {partition} has not stored a batch for {}s",
+                stuck.as_secs()
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -372,6 +395,17 @@ fn copy(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
 }
 
 impl Shared {
+    /// Whether the test crash point fired (then the lane stops before storing offsets).
+    fn crash_point_reached(&self) -> bool {
+        let fired = self
+            .crash_after_commits
+            .is_some_and(|limit| IngestStats::get(&self.stats.batches) >= limit);
+        if fired {
+            self.crashed.store(true, Ordering::SeqCst);
+        }
+        fired
+    }
+
     /// Dead-letters and ingests one partition's batch, retrying in place until it is
     /// stored (true) or the worker is cancelled (false).
     async fn store_partition_batch(
@@ -396,8 +430,12 @@ impl Shared {
                 .try_store(&records, &mut items, &dead, &mut delivered)
                 .await
             {
-                Ok(()) => return true,
+                Ok(()) => {
+                    self.health.stored(partition);
+                    return true;
+                }
                 Err(e) => {
+                    self.health.stalled(partition);
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
                     warn!(error = %e, partition, retry_in_ms = delay.as_millis() as u64,
                         "partition batch not stored; the partition waits");
