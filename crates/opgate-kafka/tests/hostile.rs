@@ -205,6 +205,10 @@ impl Ledger for Refusing {
         if stalled {
             return Err(opgate_store::Error::Database(sqlx::Error::PoolTimedOut));
         }
+        let bug = batch.iter().any(
+            |item| matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("panic")),
+        );
+        assert!(!bug, "a bug in the ledger adapter");
         self.0.ingest(batch).await
     }
     async fn claim(
@@ -383,4 +387,40 @@ async fn a_stuck_partition_does_not_stop_the_others() {
     assert!(health.longest_stall().is_none());
     cancel.cancel();
     running.await.expect("join").expect("worker ok");
+}
+
+/// Issue 9, item 10: a partition task that panics stops the member; nothing commits past
+/// the batch it never stored (before, the panic was only logged and later batches
+/// committed offsets past it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_partition_stops_the_member_without_committing_past_it() {
+    let mut env = env(1).await;
+    env.ledger = Arc::new(Refusing(env.ledger.clone(), Arc::default()));
+    let records = vec![
+        (0, good("g1", "o1")),
+        (0, good("p1", "panic-1")),
+        (0, good("g2", "o2")),
+    ];
+    produce_to(&env, &records).await;
+    let worker = start_worker(&env, Limits::default(), 100);
+    let ended = tokio::time::timeout(WAIT, worker.handle)
+        .await
+        .expect("the member stops")
+        .expect("join");
+    assert!(
+        matches!(ended, Err(opgate_kafka::Error::PartitionTask(_))),
+        "{ended:?}"
+    );
+    let at = committed(&env, 1)[0];
+    assert!(at <= 1, "committed {at}: past the batch that panicked");
+    // The next member re-reads it (and, with the bug fixed, stores it).
+    env.ledger = env.db.ledger.clone();
+    let next = start_worker(&env, Limits::default(), 100);
+    let stats = next.stats.clone();
+    eventually("the next member stores all three", WAIT, || async {
+        IngestStats::get(&stats.accepted) + IngestStats::get(&stats.deduplicated_inbox) >= 3
+    })
+    .await;
+    next.stop().await;
+    assert_eq!(committed(&env, 1), vec![3]);
 }

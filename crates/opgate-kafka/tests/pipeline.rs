@@ -387,18 +387,13 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
     eventually("ingest", WAIT, || async { total(&stats) >= 100 }).await;
     worker.stop().await;
 
-    // Relay A leases and publishes, then dies before marking (a short delivery timeout,
-    // so a short lease is allowed).
-    let mut quick = env.config.clone();
-    quick
-        .client
-        .insert("message.timeout.ms".into(), "200".into());
+    // Relay A leases (for 300 ms) and publishes, then dies before marking.
     let crashed = ResultsRelay::new(
-        &quick,
+        &env.config,
         env.ledger.clone(),
         "relay-a",
         500,
-        Duration::from_millis(300),
+        ResultsRelay::default_lease(&env.config).expect("lease"),
     )
     .expect("relay");
     let rows = env

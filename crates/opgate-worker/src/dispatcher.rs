@@ -485,7 +485,9 @@ fn log_attempt(
         target: "opgate::attempt",
         workflow_id = op.workflow_id.as_deref().unwrap_or(""),
         operation_id = %op.operation_id,
-        idempotency_key = %op.idempotency_key,
+        // A string value, so the formatter escapes it (ids and keys are checked at ingest;
+        // rows written before that may not be).
+        idempotency_key = op.idempotency_key.as_str(),
         attempt_id = %attempt_id,
         attempt = op.attempt_count,
         tool = %op.tool,

@@ -221,7 +221,7 @@ impl Reconciler {
                     target: "opgate::attempt",
                     workflow_id = op.workflow_id.as_deref().unwrap_or(""),
                     operation_id = %op.operation_id,
-                    idempotency_key = %op.idempotency_key,
+                    idempotency_key = op.idempotency_key.as_str(),
                     tool = %op.tool,
                     args_fingerprint = %op.args_fingerprint,
                     transition = %format!("{} -> {}", op.status, after.status),

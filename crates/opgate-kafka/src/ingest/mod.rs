@@ -261,6 +261,10 @@ impl IngestWorker {
             tokio::select! {
                 m = self.consumer.recv() => match m {
                     Ok(m) => {
+                        // A rebalance runs inside recv(): the revoked partitions' lanes stop
+                        // before this record is routed, so it never lands in a lane that
+                        // is about to be abandoned (its offset would then be skipped).
+                        stop_revoked(&self.consumer, &mut lanes);
                         let record = copy(&m);
                         let lane = lanes.entry(record.partition).or_insert_with(|| {
                             lane::Lane::start(
@@ -284,10 +288,10 @@ impl IngestWorker {
                 _ = tick.tick() => {}
                 () = cancel.cancelled() => break Ok(()),
             }
-            for partition in self.consumer.context().take_revoked() {
-                if let Some(lane) = lanes.remove(&partition) {
-                    lane.stop();
-                }
+            stop_revoked(&self.consumer, &mut lanes);
+            if cancel.is_cancelled() {
+                // The lanes see it too and end: that is a stop, not a failure.
+                break Ok(());
             }
             if self.shared.crashed.load(Ordering::SeqCst) {
                 warn!("crash point reached: stopping without storing offsets");
@@ -335,6 +339,15 @@ impl IngestWorker {
             Err(e) => warn!(error = %e, "ingest worker stopping"),
         }
         outcome
+    }
+}
+
+/// Stops the lanes of partitions this member lost.
+fn stop_revoked(consumer: &StreamConsumer<IngestContext>, lanes: &mut HashMap<i32, lane::Lane>) {
+    for partition in consumer.context().take_revoked() {
+        if let Some(lane) = lanes.remove(&partition) {
+            lane.stop();
+        }
     }
 }
 
