@@ -117,6 +117,35 @@ pub fn find_nul(value: &Value, root: &str) -> Option<String> {
     }
 }
 
+/// A value from outside (a provider's answer) made storable on every ledger: NUL in any
+/// string or key becomes U+FFFD. PostgreSQL's `jsonb` cannot hold `\u0000`; an answer
+/// that cannot be stored could never be recorded, and the operation would be looked up
+/// and refused again forever.
+pub fn storable(value: Value) -> Value {
+    let clean = |s: String| {
+        if s.contains('\0') {
+            s.replace('\0', "\u{fffd}")
+        } else {
+            s
+        }
+    };
+    match value {
+        Value::String(s) => Value::String(clean(s)),
+        Value::Array(items) => Value::Array(items.into_iter().map(storable).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (clean(k), storable(v)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+/// A string from outside made storable: NUL becomes U+FFFD.
+pub fn storable_text(s: &str) -> String {
+    s.replace('\0', "\u{fffd}")
+}
+
 /// A string with control characters escaped (`\n`, `\u{0}`), for messages and logs.
 pub fn printable(s: &str) -> String {
     if s.chars().any(is_control) {
@@ -249,6 +278,16 @@ mod tests {
                 "{doc}"
             );
         }
+    }
+
+    #[test]
+    fn provider_answers_are_made_storable() {
+        let answer = json!({"id": "ch\u{0}1", "nested": [{"k\u{0}": "v"}], "n": 1});
+        assert_eq!(
+            storable(answer),
+            json!({"id": "ch\u{fffd}1", "nested": [{"k\u{fffd}": "v"}], "n": 1})
+        );
+        assert_eq!(storable_text("a\0b"), "a\u{fffd}b");
     }
 
     #[test]

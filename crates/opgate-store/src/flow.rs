@@ -275,6 +275,89 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
+    /// Reads and row-locks operations by id, in id order (absent ones are left out).
+    fn lock_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut sorted = ids.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            let mut ops = HashMap::new();
+            for id in sorted {
+                if let Some(op) = self.lock_operation(id).await? {
+                    ops.insert(id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Row-locks the operations no other transaction holds (the others are left out).
+    fn try_lock_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for id in ids {
+                if let Some(op) = self.try_lock_operation(*id).await? {
+                    ops.insert(*id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Writes operations' mutable columns.
+    fn update_operations_batch(
+        &mut self,
+        ops: &[Operation],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for op in ops {
+                self.update_operation(op).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts or updates queue rows, each with its own ready time.
+    fn put_queue_rows(
+        &mut self,
+        rows: &[(&Operation, QueueState, OffsetDateTime)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, state, ready_at) in rows {
+                self.put_queue(op, *state, *ready_at, at).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts attempt rows.
+    fn insert_attempts_batch(
+        &mut self,
+        attempts: &[NewAttempt<'_>],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for a in attempts {
+                self.insert_attempt(a).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Finishes attempt rows: (operation, attempt, what it observed).
+    fn finish_attempts_batch(
+        &mut self,
+        attempts: &[(Uuid, Uuid, &AttemptReport)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, attempt, report) in attempts {
+                self.finish_attempt(*op, *attempt, report, at).await?;
+            }
+            Ok(())
+        }
+    }
     /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones and
     /// those of `skip_tools`; returns each with its tool.
     fn pick_claimable(
@@ -793,7 +876,7 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
         .map(|(tool, _)| tool.clone())
         .collect();
     let picked = tx.pick_claimable(now, request.limit, &full).await?;
-    let mut claims = Vec::with_capacity(picked.len());
+    let mut chosen = Vec::with_capacity(picked.len());
     for (id, tool) in picked {
         // Sized by the tool's free permits: the rest stay queued for the next claim.
         if let Some(free) = room.get_mut(&tool) {
@@ -802,7 +885,16 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
             }
             *free -= 1;
         }
-        let Some(mut op) = tx.try_lock_operation(id).await? else {
+        chosen.push(id);
+    }
+    let mut locked = tx.try_lock_operations(&chosen).await?;
+    let mut claims = Vec::with_capacity(chosen.len());
+    let mut attempts = Vec::new();
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    for id in chosen {
+        let Some(mut op) = locked.remove(&id) else {
             continue;
         };
         let from = op.status;
@@ -822,16 +914,15 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
         op.next_attempt_at = None;
         op.updated_at = now;
         let attempt_id = Uuid::now_v7();
-        tx.insert_attempt(&NewAttempt {
+        attempts.push(NewAttempt {
             attempt_id,
             operation_id: id,
             number: op.attempt_count,
             epoch: op.lease_epoch,
             worker: &request.owner,
             started_at: now,
-        })
-        .await?;
-        tx.insert_event(&NewEvent {
+        });
+        events.push(NewEvent {
             operation_id: id,
             from: Some(from),
             to,
@@ -841,12 +932,10 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
             actor: Some(&request.owner),
             at: now,
             detail: None,
-        })
-        .await?;
-        tx.put_queue(&op, QueueState::of(to), now, now).await?;
+        });
         let event_id = op.event_id.clone();
-        publish(tx, &mut op, &event_id, Dedupe::miss(), now).await?;
-        tx.update_operation(&op).await?;
+        outbox.push(result_row(&mut op, &event_id, Dedupe::miss(), now)?);
+        queue.push(op.clone());
         claims.push(Claim {
             first_attempt_at: op.first_attempt_at,
             operation: op,
@@ -854,6 +943,15 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
             claimed_at: now,
         });
     }
+    tx.insert_attempts_batch(&attempts).await?;
+    tx.insert_events_batch(&events).await?;
+    let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
+        .iter()
+        .map(|op| (op, QueueState::Inflight, now))
+        .collect();
+    tx.put_queue_rows(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    tx.update_operations_batch(&queue).await?;
     Ok(claims)
 }
 
@@ -929,6 +1027,35 @@ async fn change_one<T: Tx>(
     c: Change<'_>,
     now: OffsetDateTime,
 ) -> Result<std::result::Result<(), Error>> {
+    let planned = match plan_change(op, c, now)? {
+        Ok(planned) => planned,
+        Err(e) => return Ok(Err(e)),
+    };
+    tx.insert_event(&planned.event).await?;
+    tx.put_queue(op, planned.queue, planned.ready_at, now)
+        .await?;
+    if let Some(row) = &planned.outbox {
+        tx.insert_outbox(row).await?;
+    }
+    tx.update_operation(op).await?;
+    Ok(Ok(()))
+}
+
+/// The writes a transition makes besides the operation row itself.
+struct Planned<'a> {
+    event: NewEvent<'a>,
+    queue: QueueState,
+    ready_at: OffsetDateTime,
+    outbox: Option<NewOutbox>,
+}
+
+/// Applies one transition to an operation in memory and says what to write: the history
+/// event, the queue row, and a result row when the state changed.
+fn plan_change<'a>(
+    op: &mut Operation,
+    c: Change<'a>,
+    now: OffsetDateTime,
+) -> Result<std::result::Result<Planned<'a>, Error>> {
     let from = op.status;
     let to = match transition(from, c.event) {
         Ok(to) => to,
@@ -960,7 +1087,7 @@ async fn change_one<T: Tx>(
         op.error = None;
     }
     op.updated_at = now;
-    tx.insert_event(&NewEvent {
+    let event = NewEvent {
         operation_id: op.operation_id,
         from: Some(from),
         to,
@@ -970,66 +1097,137 @@ async fn change_one<T: Tx>(
         actor: c.actor,
         at: now,
         detail,
-    })
-    .await?;
-    let ready_at = op.next_attempt_at.unwrap_or(now);
-    tx.put_queue(op, QueueState::of(to), ready_at, now).await?;
-    if from != to {
+    };
+    let outbox = if from != to {
         let event_id = op.event_id.clone();
-        publish(tx, op, &event_id, Dedupe::miss(), now).await?;
-    }
-    tx.update_operation(op).await?;
-    Ok(Ok(()))
+        Some(result_row(op, &event_id, Dedupe::miss(), now)?)
+    } else {
+        None
+    };
+    Ok(Ok(Planned {
+        event,
+        queue: QueueState::of(to),
+        ready_at: op.next_attempt_at.unwrap_or(now),
+        outbox,
+    }))
 }
 
-/// Records outcomes (see [`crate::Ledger::record`]).
+/// Records outcomes (see [`crate::Ledger::record`]) with a fixed number of statements
+/// per batch: the operations are locked in one statement, each transition is planned in
+/// memory, and events, queue rows, result rows, operations and attempts are each written
+/// in one statement (row by row where a backend has no batched form). A compensation
+/// settles its original in the same transaction, so a batch holding one takes the
+/// one-by-one path.
 pub(crate) async fn record<T: Tx>(
     tx: &mut T,
     recordings: &[Recording],
 ) -> Result<Vec<Result<Operation>>> {
     let now = tx.now().await?;
+    let ids: Vec<Uuid> = recordings.iter().map(|r| r.operation_id).collect();
+    let distinct: std::collections::HashSet<&Uuid> = ids.iter().collect();
+    let mut locked = tx.lock_operations(&ids).await?;
+    if distinct.len() != ids.len() || locked.values().any(|op| op.compensates.is_some()) {
+        return record_one_by_one(tx, recordings, locked, now).await;
+    }
     let mut results = Vec::with_capacity(recordings.len());
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    let mut finished = Vec::new();
+    let mut changed = Vec::new();
     for rec in recordings {
-        let Some(mut op) = tx.lock_operation(rec.operation_id).await? else {
+        let Some(mut op) = locked.remove(&rec.operation_id) else {
             results.push(Err(Error::NotFound(rec.operation_id)));
             continue;
         };
-        if op.lease_epoch != rec.epoch {
-            results.push(Err(Error::StaleEpoch {
-                operation_id: rec.operation_id,
-                presented: rec.epoch,
-                current: op.lease_epoch,
-            }));
+        if let Err(e) = fence_and_fill(&mut op, rec) {
+            results.push(Err(e));
             continue;
         }
-        if let Some(result) = &rec.result {
-            op.result = Some(result.clone());
+        match plan_change(&mut op, recording_change(rec), now)? {
+            Err(e) => results.push(Err(e)),
+            Ok(planned) => {
+                events.push(planned.event);
+                queue.push((op.clone(), planned.queue, planned.ready_at));
+                outbox.extend(planned.outbox);
+                if let Some((attempt_id, report)) = &rec.attempt {
+                    finished.push((op.operation_id, *attempt_id, report));
+                }
+                changed.push(op.clone());
+                results.push(Ok(op));
+            }
         }
-        if rec.external_object_id.is_some() {
-            op.external_object_id.clone_from(&rec.external_object_id);
+    }
+    tx.insert_events_batch(&events).await?;
+    let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> =
+        queue.iter().map(|(op, q, r)| (op, *q, *r)).collect();
+    tx.put_queue_rows(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    tx.update_operations_batch(&changed).await?;
+    tx.finish_attempts_batch(&finished, now).await?;
+    Ok(results)
+}
+
+/// The epoch check and the fields a recording carries besides the transition.
+fn fence_and_fill(op: &mut Operation, rec: &Recording) -> Result<()> {
+    if op.lease_epoch != rec.epoch {
+        return Err(Error::StaleEpoch {
+            operation_id: rec.operation_id,
+            presented: rec.epoch,
+            current: op.lease_epoch,
+        });
+    }
+    if let Some(result) = &rec.result {
+        op.result = Some(result.clone());
+    }
+    if rec.external_object_id.is_some() {
+        op.external_object_id.clone_from(&rec.external_object_id);
+    }
+    if rec.external_request_id.is_some() {
+        op.external_request_id.clone_from(&rec.external_request_id);
+    }
+    if rec.error.is_some() {
+        op.error.clone_from(&rec.error);
+    }
+    Ok(())
+}
+
+fn recording_change(rec: &Recording) -> Change<'_> {
+    Change {
+        event: rec.event,
+        reason: &rec.reason,
+        attempt_id: rec.attempt.as_ref().map(|(id, _)| *id),
+        actor: None,
+        next_in: rec.next_in,
+        detail: None,
+        ambiguity: rec.ambiguity,
+    }
+}
+
+/// [`record`] one recording at a time (a compensation among them, or an operation
+/// twice): each change goes through [`change`], which settles a compensation's original.
+async fn record_one_by_one<T: Tx>(
+    tx: &mut T,
+    recordings: &[Recording],
+    mut locked: HashMap<Uuid, Operation>,
+    now: OffsetDateTime,
+) -> Result<Vec<Result<Operation>>> {
+    let mut results = Vec::with_capacity(recordings.len());
+    for rec in recordings {
+        // An operation recorded twice in one batch: its second recording sees the first.
+        let op = match locked.remove(&rec.operation_id) {
+            Some(op) => Some(op),
+            None => tx.read_operation(rec.operation_id).await?,
+        };
+        let Some(mut op) = op else {
+            results.push(Err(Error::NotFound(rec.operation_id)));
+            continue;
+        };
+        if let Err(e) = fence_and_fill(&mut op, rec) {
+            results.push(Err(e));
+            continue;
         }
-        if rec.external_request_id.is_some() {
-            op.external_request_id.clone_from(&rec.external_request_id);
-        }
-        if rec.error.is_some() {
-            op.error.clone_from(&rec.error);
-        }
-        let outcome = change(
-            tx,
-            &mut op,
-            Change {
-                event: rec.event,
-                reason: &rec.reason,
-                attempt_id: rec.attempt.as_ref().map(|(id, _)| *id),
-                actor: None,
-                next_in: rec.next_in,
-                detail: None,
-                ambiguity: rec.ambiguity,
-            },
-            now,
-        )
-        .await?;
-        if let Err(e) = outcome {
+        if let Err(e) = change(tx, &mut op, recording_change(rec), now).await? {
             results.push(Err(e));
             continue;
         }

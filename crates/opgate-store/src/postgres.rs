@@ -84,6 +84,26 @@ macro_rules! in_tx {
 struct PgTx(Transaction<'static, Postgres>);
 
 impl PgTx {
+    /// Operations by id, with a trailing clause (ordering and locking).
+    async fn select_operations(
+        &mut self,
+        ids: &[Uuid],
+        clause: &str,
+    ) -> Result<HashMap<Uuid, Operation>> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let rows = sqlx::query(&format!(
+            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = ANY($1) {clause}"
+        ))
+        .bind(ids)
+        .fetch_all(&mut *self.0)
+        .await?;
+        rows.iter()
+            .map(|row| op_from_row(row).map(|op| (op.operation_id, op)))
+            .collect()
+    }
+
     /// One operation by id, with a locking clause (`""`, `FOR UPDATE`, `FOR UPDATE SKIP LOCKED`).
     async fn select_operation(&mut self, id: Uuid, locking: &str) -> Result<Option<Operation>> {
         sqlx::query(&format!(
@@ -523,6 +543,134 @@ impl Tx for PgTx {
                     .push_bind(e.at)
                     .push_bind(e.detail.as_ref().map(Json));
             });
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn lock_operations(&mut self, ids: &[Uuid]) -> Result<HashMap<Uuid, Operation>> {
+        self.select_operations(ids, "ORDER BY operation_id FOR UPDATE")
+            .await
+    }
+
+    async fn try_lock_operations(&mut self, ids: &[Uuid]) -> Result<HashMap<Uuid, Operation>> {
+        self.select_operations(ids, "FOR UPDATE SKIP LOCKED").await
+    }
+
+    async fn update_operations_batch(&mut self, ops: &[Operation]) -> Result<()> {
+        for chunk in ops.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "UPDATE operations AS o SET status = v.status, attempt_count = v.attempt_count, \
+                 first_attempt_at = v.first_attempt_at, next_attempt_at = v.next_attempt_at, \
+                 unknown_since = v.unknown_since, lease_owner = v.lease_owner, \
+                 lease_expires_at = v.lease_expires_at, lease_epoch = v.lease_epoch, \
+                 external_request_id = v.external_request_id, external_object_id = v.external_object_id, \
+                 result = v.result, error = v.error, result_seq = v.result_seq, \
+                 updated_at = v.updated_at, ambiguous_since = v.ambiguous_since FROM (",
+            );
+            qb.push_values(chunk, |mut b, op| {
+                b.push_bind(op.operation_id)
+                    .push_bind(op.status.as_str())
+                    .push_bind(op.attempt_count as i32)
+                    .push_bind(op.first_attempt_at)
+                    .push_bind(op.next_attempt_at)
+                    .push_bind(op.unknown_since)
+                    .push_bind(&op.lease_owner)
+                    .push_bind(op.lease_expires_at)
+                    .push_bind(op.lease_epoch)
+                    .push_bind(&op.external_request_id)
+                    .push_bind(&op.external_object_id)
+                    .push_bind(op.result.as_ref().map(Json))
+                    .push_bind(op.error.as_ref().map(Json))
+                    .push_bind(op.result_seq)
+                    .push_bind(op.updated_at)
+                    .push_bind(op.ambiguous_since);
+            });
+            qb.push(
+                ") AS v(operation_id, status, attempt_count, first_attempt_at, next_attempt_at, \
+                 unknown_since, lease_owner, lease_expires_at, lease_epoch, external_request_id, \
+                 external_object_id, result, error, result_seq, updated_at, ambiguous_since) \
+                 WHERE o.operation_id = v.operation_id",
+            );
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn put_queue_rows(
+        &mut self,
+        rows: &[(&Operation, QueueState, OffsetDateTime)],
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        for chunk in rows.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, \
+                 ready_at, finished_at, tool) ",
+            );
+            qb.push_values(chunk, |mut b, (op, state, ready_at)| {
+                b.push_bind(op.operation_id)
+                    .push_bind(&op.entity_key)
+                    .push_bind(!op.side_effect_class.is_write())
+                    .push_bind(op.compensates)
+                    .push_bind(state.as_str())
+                    .push_bind(*ready_at)
+                    .push_bind((*state == QueueState::Done).then_some(at))
+                    .push_bind(&op.tool);
+            });
+            qb.push(
+                " ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
+                 ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
+            );
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn insert_attempts_batch(&mut self, attempts: &[NewAttempt<'_>]) -> Result<()> {
+        for chunk in attempts.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new(
+                "INSERT INTO attempts (attempt_id, operation_id, number, epoch, worker, started_at) ",
+            );
+            qb.push_values(chunk, |mut b, a| {
+                b.push_bind(a.attempt_id)
+                    .push_bind(a.operation_id)
+                    .push_bind(a.number as i32)
+                    .push_bind(a.epoch)
+                    .push_bind(a.worker)
+                    .push_bind(a.started_at);
+            });
+            qb.build().execute(&mut *self.0).await?;
+        }
+        Ok(())
+    }
+
+    async fn finish_attempts_batch(
+        &mut self,
+        attempts: &[(Uuid, Uuid, &AttemptReport)],
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        for chunk in attempts.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Postgres>::new("UPDATE attempts AS a SET finished_at = ");
+            qb.push_bind(at);
+            qb.push(
+                ", outcome = v.outcome, http_status = v.http_status, \
+                 error_category = v.error_category, latency_ms = v.latency_ms, \
+                 provider_request_id = v.provider_request_id FROM (",
+            );
+            qb.push_values(chunk, |mut b, (op, attempt, r)| {
+                b.push_bind(*attempt)
+                    .push_bind(*op)
+                    .push_bind(&r.outcome)
+                    .push_bind(r.http_status.map(i32::from))
+                    .push_bind(&r.error_category)
+                    .push_bind(r.latency.map(millis))
+                    .push_bind(&r.provider_request_id);
+            });
+            qb.push(
+                ") AS v(attempt_id, operation_id, outcome, http_status, error_category, latency_ms, \
+                 provider_request_id) \
+                 WHERE a.attempt_id = v.attempt_id AND a.operation_id = v.operation_id",
+            );
             qb.build().execute(&mut *self.0).await?;
         }
         Ok(())

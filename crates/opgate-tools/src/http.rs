@@ -15,11 +15,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use opgate_core::envsubst;
 use opgate_core::outcome::AdapterOutcome;
 use opgate_core::registry::{Adapter, Tool};
 use opgate_core::template::{Placeholder, Template};
 use opgate_core::{Operation, canonical};
+use opgate_core::{envsubst, input};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
@@ -133,6 +133,8 @@ impl HttpAdapter {
     }
 
     /// The result and external id a success body carries.
+    /// The result and the provider's object id from an answer, made storable (a NUL in
+    /// a provider's answer must not make its outcome unrecordable).
     fn extract(&self, body: &Value) -> (Option<Value>, Option<String>) {
         let result = match &self.result_pointer {
             Some(p) => body.pointer(p).cloned(),
@@ -146,7 +148,10 @@ impl HttpAdapter {
                 Value::String(s) => s.clone(),
                 other => canonical::canonical_json(other),
             });
-        (result, external_id)
+        (
+            result.map(input::storable),
+            external_id.map(|id| input::storable_text(&id)),
+        )
     }
 }
 
@@ -349,11 +354,11 @@ impl ToolAdapter for HttpAdapter {
         };
         let detail = match &outcome {
             AdapterOutcome::Committed { .. } => None,
-            _ => Some(format!(
+            _ => Some(input::storable_text(&format!(
                 "HTTP {}: {}",
                 status.as_u16(),
                 body.chars().take(200).collect::<String>()
-            )),
+            ))),
         };
         CallReport {
             outcome,

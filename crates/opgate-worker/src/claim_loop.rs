@@ -1,13 +1,15 @@
 //! The loop the dispatcher and the reconciler share: claim as many operations as there
 //! is room for, handle each under a concurrency permit, pause when there is nothing to do
 //! (or back off after a failed claim), and on cancellation stop claiming and wait until
-//! everything in flight has been handled and recorded.
+//! everything in flight has been handled and recorded. A pause ends early when a handled
+//! operation finishes: its permits are free again, so there may be room to claim (a
+//! claim that found no room must not cost an idle pause per wave of work).
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
@@ -38,6 +40,7 @@ impl Loop {
         HF: Future<Output = ()> + Send + 'static,
     {
         let tracker = TaskTracker::new();
+        let finished = Arc::new(Notify::new());
         let mut backoff = Duration::from_millis(50);
         while !cancel.is_cancelled() {
             let room = self.permits.available_permits().min(self.batch);
@@ -53,9 +56,11 @@ impl Loop {
                                 break;
                             };
                             let work = handle(c);
+                            let finished = finished.clone();
                             tracker.spawn(async move {
                                 work.await;
                                 drop(permit);
+                                finished.notify_one();
                             });
                         }
                         Duration::ZERO
@@ -70,6 +75,7 @@ impl Loop {
             if !pause.is_zero() {
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
+                    () = finished.notified() => {}
                     () = cancel.cancelled() => {}
                 }
             }

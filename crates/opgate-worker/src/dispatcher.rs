@@ -21,6 +21,7 @@ use tracing::{info, warn};
 
 use crate::Adapters;
 use crate::claim_loop::{Loop, handle_all};
+use crate::recorder::Recorder;
 
 /// Dispatcher settings.
 #[derive(Debug, Clone)]
@@ -35,6 +36,8 @@ pub struct DispatcherConfig {
     pub concurrency: usize,
     /// Most calls in flight per tool.
     pub per_tool: usize,
+    /// Most call outcomes recorded in one ledger transaction (group commit).
+    pub record_batch: usize,
     /// Pause when there is nothing to claim.
     pub idle: Duration,
     /// When an acknowledged (202) operation is first looked up.
@@ -54,6 +57,7 @@ impl Default for DispatcherConfig {
             batch: 16,
             concurrency: 64,
             per_tool: 16,
+            record_batch: 128,
             idle: Duration::from_millis(50),
             acknowledged_poll: Duration::from_secs(2),
             seed: None,
@@ -79,6 +83,7 @@ pub enum ConfigError {
 
 struct Inner {
     ledger: SharedLedger,
+    recorder: Recorder,
     registry: Arc<Registry>,
     adapters: Adapters,
     config: DispatcherConfig,
@@ -177,6 +182,7 @@ impl Dispatcher {
         Ok(Self {
             permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
             inner: Arc::new(Inner {
+                recorder: Recorder::start(ledger.clone(), config.record_batch.max(1)),
                 ledger,
                 registry,
                 adapters,
@@ -441,34 +447,9 @@ impl Dispatcher {
         self.record(rec).await;
     }
 
-    /// Records an outcome, retrying the write a few times: an outcome the provider
-    /// reported must not be lost to a database hiccup. If it still fails, the lease
-    /// expires and the reconciler looks the key up.
+    /// Records an outcome through the group-committing recorder.
     async fn record(&self, recording: Recording) -> Option<Operation> {
-        let mut delay = Duration::from_millis(50);
-        for _ in 0..6 {
-            match self
-                .inner
-                .ledger
-                .record(std::slice::from_ref(&recording))
-                .await
-            {
-                Ok(mut results) => match results.pop() {
-                    Some(Ok(op)) => return Some(op),
-                    Some(Err(e)) => {
-                        warn!(operation_id = %recording.operation_id, error = %e, "outcome not recorded");
-                        return None;
-                    }
-                    None => return None,
-                },
-                Err(e) => {
-                    warn!(operation_id = %recording.operation_id, error = %e, "recording failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
-                }
-            }
-        }
-        None
+        self.inner.recorder.record(recording).await
     }
 }
 

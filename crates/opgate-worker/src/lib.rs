@@ -16,6 +16,7 @@ mod adapters;
 mod claim_loop;
 mod dispatcher;
 mod reconciler;
+mod recorder;
 
 use std::time::Duration;
 

@@ -171,7 +171,7 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
 }
 
 /// (records as (key, value)), distinct events, distinct keys.
-fn workload(n: usize, seed: u64) -> (Vec<(String, Vec<u8>)>, usize, usize) {
+pub(crate) fn workload(n: usize, seed: u64) -> (Vec<(String, Vec<u8>)>, usize, usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let events = n * 8 / 10;
     let keys = events * 7 / 8;
@@ -198,7 +198,7 @@ fn workload(n: usize, seed: u64) -> (Vec<(String, Vec<u8>)>, usize, usize) {
     (records, events, keys)
 }
 
-fn today() -> String {
+pub(crate) fn today() -> String {
     let now = time::OffsetDateTime::now_utc();
     format!(
         "{:04}-{:02}-{:02}",

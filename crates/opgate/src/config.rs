@@ -46,6 +46,9 @@ pub struct WorkerConfig {
     pub concurrency: Option<usize>,
     /// Calls in flight per tool (default 16).
     pub per_tool: Option<usize>,
+    /// Most call outcomes recorded in one ledger transaction (default 128; 1 records each
+    /// outcome in its own transaction).
+    pub record_batch: Option<usize>,
     /// Longest pause between two lookups of one unknown outcome (default 30000).
     pub reconcile_max_backoff_ms: Option<u64>,
     /// Inbox rows, finished queue rows and published results older than this are
@@ -189,6 +192,7 @@ pub const ENV_KEYS: &[&str] = &[
     "worker.batch",
     "worker.concurrency",
     "worker.per_tool",
+    "worker.record_batch",
     "worker.reconcile_max_backoff_ms",
     "worker.reap_after",
     "worker.reap_every",

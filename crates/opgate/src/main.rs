@@ -8,6 +8,7 @@
 //! change to `opgate.results`. `dev` wires all of it to embedded services, `demo` drives it.
 
 mod bench;
+mod bench_e2e;
 mod cli;
 mod config;
 mod demo;
@@ -116,6 +117,9 @@ enum TopicsCommand {
 enum BenchCommand {
     /// Kafka ingest throughput on the embedded broker.
     Ingest(bench::IngestBench),
+    /// The whole path: pre-published proposals -> ingest, dispatch, relay -> every
+    /// result on opgate.results, with latencies and (PostgreSQL) transactions per operation.
+    E2e(bench_e2e::E2eBench),
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -224,6 +228,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench {
             command: BenchCommand::Ingest(opts),
         } => bench::ingest(opts).await?,
+        Command::Bench {
+            command: BenchCommand::E2e(opts),
+        } => bench_e2e::e2e(opts).await?,
     }
     Ok(())
 }

@@ -1,0 +1,322 @@
+//! `opgate bench e2e`: the whole path, as a user runs it. N operations' proposals (with
+//! redeliveries and re-spelled duplicates) are published to the embedded broker first;
+//! then the ingest, relay, dispatch and reconcile roles start in this process against a
+//! ledger (SQLite, or PostgreSQL with `--database-url`) and the simulated providers
+//! (payments, no faults), and the clock runs until every operation's final result is on
+//! `opgate.results`. It prints operations/s, latency percentiles from the ledger (consume
+//! -> first dispatch, consume -> settled), and on PostgreSQL the transactions and row
+//! writes per operation (from `pg_stat_database`), and can append a row to BENCHMARKS.md.
+
+use std::collections::HashSet;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use opgate_kafka::config::{PROPOSALS, RESULTS};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::bench::{today, workload};
+use crate::config::{Config, DatabaseConfig};
+use crate::roles::{self, EnvLookup};
+
+/// The tool the benchmark proposes: the simulated payments provider, which honours the
+/// key; timeouts as in production.
+const TOOLS: &str = r#"
+[[tools]]
+name = "pay"
+side_effect_class = "irreversible"
+entity = "order"
+key = "payment:{entity}:capture:{args.amount}:{args.currency}"
+[tools.args]
+amount = "money_minor"
+currency = "upper"
+[tools.adapter]
+kind = "http"
+url = "${OPGATE_SIM_URL}/payments"
+timeout_ms = 2000
+idempotency_header = "Idempotency-Key"
+provider_retention = "24h"
+lookup_url = "${OPGATE_SIM_URL}/payments?idempotency_key={key}"
+external_id_pointer = "/charge_id"
+"#;
+
+/// Options of `opgate bench e2e`.
+#[derive(Debug, clap::Args)]
+pub struct E2eBench {
+    /// Distinct operations (the records add 20% redeliveries and 10% re-spellings).
+    #[arg(long, default_value_t = 20_000)]
+    pub operations: usize,
+    /// Partitions of the proposals topic.
+    #[arg(long, default_value_t = 8)]
+    pub partitions: i32,
+    /// Ledger URL (default: a fresh SQLite file in the temp dir). Must be empty.
+    #[arg(long)]
+    pub database_url: Option<String>,
+    /// `[worker] record_batch`: outcomes per ledger transaction (1: one each).
+    #[arg(long)]
+    pub record_batch: Option<usize>,
+    /// `[worker] per_tool`: calls in flight per tool.
+    #[arg(long)]
+    pub per_tool: Option<usize>,
+    /// `[worker] concurrency`: calls in flight overall.
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Append the figures to this Markdown file.
+    #[arg(long)]
+    pub write: Option<PathBuf>,
+}
+
+/// Database-wide counters, read before and after on PostgreSQL.
+#[derive(Debug, Clone, Copy, Default)]
+struct PgCounters {
+    commits: i64,
+    row_writes: i64,
+}
+
+async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
+    let (commits, row_writes): (i64, i64) = sqlx::query_as(
+        "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted \
+         FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(PgCounters {
+        commits,
+        row_writes,
+    })
+}
+
+/// Runs the end-to-end benchmark.
+pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
+    let records_n = opts.operations * 10 / 7;
+    let (records, _events, keys) = workload(records_n, 42);
+
+    let sim = opgate_sim::Sim::new(opgate_sim::SimConfig::default());
+    let (sim_addr, _sim_server) = opgate_sim::start("127.0.0.1:0".parse()?, sim.clone()).await?;
+    let sim_url = format!("http://{sim_addr}");
+    let env: EnvLookup = Arc::new(move |name| (name == "OPGATE_SIM_URL").then(|| sim_url.clone()));
+
+    let (url, backend) = match &opts.database_url {
+        Some(url) => (
+            url.clone(),
+            if url.starts_with("postgres") {
+                "PostgreSQL"
+            } else {
+                "SQLite"
+            },
+        ),
+        None => {
+            let path =
+                std::env::temp_dir().join(format!("opgate-e2e-{:x}.db", rand::random::<u64>()));
+            (format!("sqlite://{}", path.display()), "SQLite")
+        }
+    };
+    opgate_store::migrate(&url).await?;
+    let ledger = opgate_store::open(&url).await?;
+    if !ledger
+        .list(&Default::default())
+        .await?
+        .operations
+        .is_empty()
+    {
+        bail!("the benchmark needs an empty ledger: {url}");
+    }
+
+    let mut specs = opgate_kafka::topics::builtin_specs()?;
+    for spec in &mut specs {
+        if spec.name == PROPOSALS {
+            spec.partitions = opts.partitions;
+        }
+    }
+    let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
+    let kafka = opgate_kafka::KafkaConfig::new(broker.bootstrap_servers());
+    let producer: FutureProducer = kafka.client_config()?.create()?;
+    let topic = kafka.topic(PROPOSALS);
+    let mut pending = Vec::with_capacity(records.len());
+    for (key, value) in &records {
+        pending.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(key).payload(value))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for p in pending {
+        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
+    }
+
+    let mut config = Config::parse(TOOLS).context("the benchmark's tools")?;
+    config.kafka = Some(kafka.clone());
+    config.database = Some(DatabaseConfig { url: url.clone() });
+    config.worker.record_batch = opts.record_batch;
+    config.worker.per_tool = opts.per_tool;
+    config.worker.concurrency = opts.concurrency;
+    let settings = format!(
+        "record_batch {}, per_tool {}, concurrency {}",
+        opts.record_batch.map_or("128".into(), |n| n.to_string()),
+        opts.per_tool.map_or("16".into(), |n| n.to_string()),
+        opts.concurrency.map_or("64".into(), |n| n.to_string()),
+    );
+    let pg = match backend {
+        "PostgreSQL" => Some(sqlx::PgPool::connect(&url).await?),
+        _ => None,
+    };
+    let before = match &pg {
+        Some(pool) => pg_counters(pool).await?,
+        None => PgCounters::default(),
+    };
+
+    // Count each operation's final result on opgate.results, from the beginning.
+    let results = kafka.topic(RESULTS);
+    let reader_config = kafka.client_config()?;
+    let expected = keys;
+    let reader = tokio::task::spawn_blocking(move || -> anyhow::Result<(Instant, Instant)> {
+        let mut config = reader_config;
+        config
+            .set(
+                "group.id",
+                format!("bench-reader-{:x}", rand::random::<u64>()),
+            )
+            .set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = config.create()?;
+        let metadata = consumer.fetch_metadata(Some(&results), Duration::from_secs(10))?;
+        let partitions = metadata.topics()[0].partitions().len() as i32;
+        let mut list = TopicPartitionList::new();
+        for p in 0..partitions {
+            list.add_partition_offset(&results, p, Offset::Beginning)?;
+        }
+        consumer.assign(&list)?;
+        let mut settled = HashSet::new();
+        let mut first = None;
+        let deadline = Instant::now() + Duration::from_secs(1800);
+        while settled.len() < expected {
+            if Instant::now() > deadline {
+                bail!(
+                    "only {} of {expected} operations settled in 30 minutes",
+                    settled.len()
+                );
+            }
+            let Some(m) = consumer.poll(Duration::from_millis(100)) else {
+                continue;
+            };
+            let m = m?;
+            let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap_or_default())?;
+            let terminal = matches!(
+                v["status"].as_str(),
+                Some(
+                    "completed_success" | "completed_noop" | "failed_permanent" | "needs_attention"
+                )
+            );
+            if let (true, Some(id)) = (terminal, v["operation_id"].as_str()) {
+                first.get_or_insert_with(Instant::now);
+                settled.insert(id.to_owned());
+            }
+        }
+        Ok((first.unwrap_or_else(Instant::now), Instant::now()))
+    });
+
+    let started = Instant::now();
+    let roles_list: Vec<String> = ["ingest", "relay", "dispatch", "reconcile"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let running = roles::start(&config, &roles_list, env).await?;
+    let (first_result, last_result) = reader.await??;
+    let elapsed = last_result - started;
+    let joined = first_result - started;
+    running.shutdown().await?;
+    let after = match &pg {
+        Some(pool) => pg_counters(pool).await?,
+        None => PgCounters::default(),
+    };
+
+    // Latencies from the ledger: consume (created) -> first dispatch, and -> settled.
+    let mut to_dispatch = Vec::with_capacity(keys);
+    let mut to_settled = Vec::with_capacity(keys);
+    let mut cursor = None;
+    loop {
+        let page = ledger
+            .list(&opgate_store::ListFilter {
+                limit: Some(500),
+                cursor: cursor.clone(),
+                ..Default::default()
+            })
+            .await?;
+        for op in &page.operations {
+            if let Some(first) = op.first_attempt_at {
+                to_dispatch.push((first - op.created_at).as_seconds_f64() * 1000.0);
+            }
+            to_settled.push((op.updated_at - op.created_at).as_seconds_f64() * 1000.0);
+        }
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    let effects = sim.effects();
+    if effects.duplicates != 0 {
+        bail!("{} duplicate effects at the provider", effects.duplicates);
+    }
+    drop(broker);
+
+    let rate = keys as f64 / elapsed.as_secs_f64();
+    let steady = keys as f64 / (elapsed - joined).as_secs_f64().max(1e-9);
+    let (d50, d99) = (
+        percentile(&mut to_dispatch, 0.50),
+        percentile(&mut to_dispatch, 0.99),
+    );
+    let (s50, s99) = (
+        percentile(&mut to_settled, 0.50),
+        percentile(&mut to_settled, 0.99),
+    );
+    let per_op = |n: i64| n as f64 / keys as f64;
+    let (tx, rows) = if pg.is_some() {
+        (
+            format!("{:.1}", per_op(after.commits - before.commits)),
+            format!("{:.1}", per_op(after.row_writes - before.row_writes)),
+        )
+    } else {
+        ("-".to_owned(), "-".to_owned())
+    };
+    println!(
+        "e2e: {keys} operations ({} records) on {} partitions, {backend}, 1 process ({settings}): {:.2} s to the last result, \
+         {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
+         consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
+         transactions/op {tx}, row writes/op {rows}; {} effects, 0 duplicates",
+        records.len(),
+        opts.partitions,
+        elapsed.as_secs_f64(),
+        joined.as_secs_f64(),
+        effects.total,
+    );
+    let line = format!(
+        "| {} | {keys} | {} | {backend} | 1 | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} |",
+        today(),
+        records.len(),
+        elapsed.as_secs_f64(),
+        joined.as_secs_f64(),
+    );
+    if let Some(path) = opts.write {
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&path)?;
+        writeln!(file, "{line}")?;
+        println!("appended to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The `q` quantile (nearest rank) in milliseconds.
+fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((values.len() as f64 * q).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}
