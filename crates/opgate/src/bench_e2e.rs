@@ -66,6 +66,9 @@ pub struct E2eBench {
     /// `[worker] concurrency`: calls in flight overall.
     #[arg(long)]
     pub concurrency: Option<usize>,
+    /// `[worker] batch`: operations claimed per round.
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Append the figures to this Markdown file.
     #[arg(long)]
     pub write: Option<PathBuf>,
@@ -155,11 +158,13 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     config.worker.record_batch = opts.record_batch;
     config.worker.per_tool = opts.per_tool;
     config.worker.concurrency = opts.concurrency;
+    config.worker.batch = opts.batch;
     let settings = format!(
-        "record_batch {}, per_tool {}, concurrency {}",
+        "record_batch {}, per_tool {}, concurrency {}, batch {}",
         opts.record_batch.map_or("128".into(), |n| n.to_string()),
         opts.per_tool.map_or("16".into(), |n| n.to_string()),
         opts.concurrency.map_or("64".into(), |n| n.to_string()),
+        opts.batch.map_or("16".into(), |n| n.to_string()),
     );
     let pg = match backend {
         "PostgreSQL" => Some(sqlx::PgPool::connect(&url).await?),
