@@ -273,31 +273,7 @@ impl Tx for PgTx {
     }
 
     async fn update_operation(&mut self, op: &Operation) -> Result<()> {
-        sqlx::query(
-            "UPDATE operations SET status = $2, attempt_count = $3, first_attempt_at = $4, \
-             next_attempt_at = $5, unknown_since = $6, lease_owner = $7, lease_expires_at = $8, \
-             lease_epoch = $9, external_request_id = $10, external_object_id = $11, result = $12, \
-             error = $13, result_seq = $14, updated_at = $15, ambiguous_since = $16 WHERE operation_id = $1",
-        )
-        .bind(op.operation_id)
-        .bind(op.status.as_str())
-        .bind(op.attempt_count as i32)
-        .bind(op.first_attempt_at)
-        .bind(op.next_attempt_at)
-        .bind(op.unknown_since)
-        .bind(&op.lease_owner)
-        .bind(op.lease_expires_at)
-        .bind(op.lease_epoch)
-        .bind(&op.external_request_id)
-        .bind(&op.external_object_id)
-        .bind(op.result.as_ref().map(Json))
-        .bind(op.error.as_ref().map(Json))
-        .bind(op.result_seq)
-        .bind(op.updated_at)
-        .bind(op.ambiguous_since)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.update_operations_batch(std::slice::from_ref(op)).await
     }
 
     async fn insert_event(&mut self, e: &NewEvent<'_>) -> Result<()> {
@@ -305,19 +281,7 @@ impl Tx for PgTx {
     }
 
     async fn insert_attempt(&mut self, a: &NewAttempt<'_>) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO attempts (attempt_id, operation_id, number, epoch, worker, started_at) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(a.attempt_id)
-        .bind(a.operation_id)
-        .bind(a.number as i32)
-        .bind(a.epoch)
-        .bind(a.worker)
-        .bind(a.started_at)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.insert_attempts_batch(std::slice::from_ref(a)).await
     }
 
     async fn finish_attempt(
@@ -327,21 +291,8 @@ impl Tx for PgTx {
         r: &AttemptReport,
         at: OffsetDateTime,
     ) -> Result<()> {
-        sqlx::query(
-            "UPDATE attempts SET finished_at = $3, outcome = $4, http_status = $5, error_category = $6, \
-             latency_ms = $7, provider_request_id = $8 WHERE attempt_id = $1 AND operation_id = $2",
-        )
-        .bind(attempt_id)
-        .bind(operation_id)
-        .bind(at)
-        .bind(&r.outcome)
-        .bind(r.http_status.map(i32::from))
-        .bind(&r.error_category)
-        .bind(r.latency.map(millis))
-        .bind(&r.provider_request_id)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.finish_attempts_batch(&[(operation_id, attempt_id, r)], at)
+            .await
     }
 
     async fn put_queue(
@@ -351,23 +302,7 @@ impl Tx for PgTx {
         ready_at: OffsetDateTime,
         at: OffsetDateTime,
     ) -> Result<()> {
-        let finished_at = (state == QueueState::Done).then_some(at);
-        sqlx::query(
-            "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, ready_at, finished_at, tool) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (operation_id) DO UPDATE \
-             SET state = EXCLUDED.state, ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
-        )
-        .bind(op.operation_id)
-        .bind(&op.entity_key)
-        .bind(!op.side_effect_class.is_write())
-        .bind(op.compensates)
-        .bind(state.as_str())
-        .bind(ready_at)
-        .bind(finished_at)
-        .bind(&op.tool)
-        .execute(&mut *self.0)
-        .await?;
-        Ok(())
+        self.put_queue_rows(&[(op, state, ready_at)], at).await
     }
 
     async fn insert_outbox(&mut self, row: &NewOutbox) -> Result<()> {
@@ -681,28 +616,8 @@ impl Tx for PgTx {
         rows: &[(&Operation, QueueState)],
         at: OffsetDateTime,
     ) -> Result<()> {
-        for chunk in rows.chunks(CHUNK) {
-            let mut qb = QueryBuilder::<Postgres>::new(
-                "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, \
-                 ready_at, finished_at, tool) ",
-            );
-            qb.push_values(chunk, |mut b, (op, state)| {
-                b.push_bind(op.operation_id)
-                    .push_bind(&op.entity_key)
-                    .push_bind(!op.side_effect_class.is_write())
-                    .push_bind(op.compensates)
-                    .push_bind(state.as_str())
-                    .push_bind(at)
-                    .push_bind((*state == QueueState::Done).then_some(at))
-                    .push_bind(&op.tool);
-            });
-            qb.push(
-                " ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
-                 ready_at = EXCLUDED.ready_at, finished_at = EXCLUDED.finished_at",
-            );
-            qb.build().execute(&mut *self.0).await?;
-        }
-        Ok(())
+        let rows: Vec<_> = rows.iter().map(|(op, state)| (*op, *state, at)).collect();
+        self.put_queue_rows(&rows, at).await
     }
 
     async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {

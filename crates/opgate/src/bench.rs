@@ -61,45 +61,10 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
     let mut config = KafkaConfig::new(broker.bootstrap_servers());
     config.batch.max_messages = opts.batch;
 
-    let (url, backend) = match &opts.database_url {
-        Some(url) => (
-            url.clone(),
-            if url.starts_with("postgres") {
-                "PostgreSQL"
-            } else {
-                "SQLite"
-            },
-        ),
-        None => {
-            let path = std::env::temp_dir().join(format!("opgate-bench-{}.db", uuid_like()));
-            (format!("sqlite://{}", path.display()), "SQLite")
-        }
-    };
-    opgate_store::migrate(&url).await?;
-    let ledger = opgate_store::open(&url).await?;
-    if !ledger
-        .list(&Default::default())
-        .await?
-        .operations
-        .is_empty()
-    {
-        bail!("the benchmark needs an empty ledger: {url}");
-    }
+    let (_url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "ingest").await?;
 
     let (records, events, keys) = workload(opts.proposals, 42);
-    let producer: FutureProducer = config.client_config()?.create()?;
-    let topic = config.topic(PROPOSALS);
-    let mut pending = Vec::with_capacity(records.len());
-    for (key, value) in &records {
-        pending.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(key).payload(value))
-                .map_err(|(e, _)| e)?,
-        );
-    }
-    for p in pending {
-        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
-    }
+    publish(&config, &records).await?;
 
     let registry = Arc::new(Registry::from_toml(TOOLS)?);
     let worker = IngestWorker::new(&config, ledger.clone(), registry, Limits::default())?;
@@ -168,6 +133,54 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
         println!("appended to {}", path.display());
     }
     Ok(())
+}
+
+/// Publishes (key, value) records to the proposals topic and waits for every ack.
+pub(crate) async fn publish(
+    config: &KafkaConfig,
+    records: &[(String, Vec<u8>)],
+) -> anyhow::Result<()> {
+    let producer: FutureProducer = config.client_config()?.create()?;
+    let topic = config.topic(PROPOSALS);
+    let mut pending = Vec::with_capacity(records.len());
+    for (key, value) in records {
+        pending.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(key).payload(value))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for p in pending {
+        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
+    }
+    Ok(())
+}
+
+/// A migrated, empty ledger for a benchmark: the given URL, or a fresh SQLite file in the
+/// temp dir. Returns its URL, the backend's name and the ledger.
+pub(crate) async fn empty_ledger(
+    url: Option<&str>,
+    bench: &str,
+) -> anyhow::Result<(String, &'static str, opgate_store::SharedLedger)> {
+    let (url, backend) = match url {
+        Some(url) if url.starts_with("postgres") => (url.to_owned(), "PostgreSQL"),
+        Some(url) => (url.to_owned(), "SQLite"),
+        None => {
+            let path = std::env::temp_dir().join(format!("opgate-{bench}-{}.db", uuid_like()));
+            (format!("sqlite://{}", path.display()), "SQLite")
+        }
+    };
+    opgate_store::migrate(&url).await?;
+    let ledger = opgate_store::open(&url).await?;
+    if !ledger
+        .list(&Default::default())
+        .await?
+        .operations
+        .is_empty()
+    {
+        bail!("the benchmark needs an empty ledger: {url}");
+    }
+    Ok((url, backend, ledger))
 }
 
 /// (records as (key, value)), distinct events, distinct keys.

@@ -17,10 +17,9 @@ use anyhow::{Context as _, bail};
 use opgate_kafka::config::{PROPOSALS, RESULTS};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::bench::{today, workload};
+use crate::bench::{empty_ledger, publish, today, workload};
 use crate::config::{Config, DatabaseConfig};
 use crate::roles::{self, EnvLookup};
 
@@ -104,31 +103,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let sim_url = format!("http://{sim_addr}");
     let env: EnvLookup = Arc::new(move |name| (name == "OPGATE_SIM_URL").then(|| sim_url.clone()));
 
-    let (url, backend) = match &opts.database_url {
-        Some(url) => (
-            url.clone(),
-            if url.starts_with("postgres") {
-                "PostgreSQL"
-            } else {
-                "SQLite"
-            },
-        ),
-        None => {
-            let path =
-                std::env::temp_dir().join(format!("opgate-e2e-{:x}.db", rand::random::<u64>()));
-            (format!("sqlite://{}", path.display()), "SQLite")
-        }
-    };
-    opgate_store::migrate(&url).await?;
-    let ledger = opgate_store::open(&url).await?;
-    if !ledger
-        .list(&Default::default())
-        .await?
-        .operations
-        .is_empty()
-    {
-        bail!("the benchmark needs an empty ledger: {url}");
-    }
+    let (url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "e2e").await?;
 
     let mut specs = opgate_kafka::topics::builtin_specs()?;
     for spec in &mut specs {
@@ -138,19 +113,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     }
     let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
     let kafka = opgate_kafka::KafkaConfig::new(broker.bootstrap_servers());
-    let producer: FutureProducer = kafka.client_config()?.create()?;
-    let topic = kafka.topic(PROPOSALS);
-    let mut pending = Vec::with_capacity(records.len());
-    for (key, value) in &records {
-        pending.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(key).payload(value))
-                .map_err(|(e, _)| e)?,
-        );
-    }
-    for p in pending {
-        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
-    }
+    publish(&kafka, &records).await?;
 
     let mut config = Config::parse(TOOLS).context("the benchmark's tools")?;
     config.kafka = Some(kafka.clone());
