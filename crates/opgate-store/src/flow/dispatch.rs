@@ -1,0 +1,221 @@
+//! The dispatcher's two transactions: claim (lease, attempt row, `dispatched`) and
+//! record (the outcomes of calls), each writing every kind of row once per batch.
+
+use super::*;
+
+/// Claims work for a dispatcher (see [`crate::Ledger::claim`]).
+pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<Vec<Claim>> {
+    let now = tx.now().await?;
+    let mut room = request.tool_room.clone();
+    let full: Vec<String> = room
+        .iter()
+        .filter(|(_, free)| **free == 0)
+        .map(|(tool, _)| tool.clone())
+        .collect();
+    let picked = tx.pick_claimable(now, request.limit, &full).await?;
+    let mut chosen = Vec::with_capacity(picked.len());
+    for (id, tool) in picked {
+        // Sized by the tool's free permits: the rest stay queued for the next claim.
+        if let Some(free) = room.get_mut(&tool) {
+            if *free == 0 {
+                continue;
+            }
+            *free -= 1;
+        }
+        chosen.push(id);
+    }
+    let mut locked = tx.try_lock_operations(&chosen).await?;
+    let mut claims = Vec::with_capacity(chosen.len());
+    let mut attempts = Vec::new();
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    for id in chosen {
+        let Some(mut op) = locked.remove(&id) else {
+            continue;
+        };
+        let from = op.status;
+        let Ok(to) = transition(from, Event::Claim) else {
+            // The queue row disagrees with the operation (a bug or a manual edit): repair
+            // the row from the operation and keep claiming the others.
+            tracing::warn!(operation_id = %id, status = %from, "queue row out of step with its operation; repaired");
+            tx.put_queue(&op, QueueState::of(from), now, now).await?;
+            continue;
+        };
+        op.status = to;
+        op.attempt_count += 1;
+        op.lease_epoch += 1;
+        op.lease_owner = Some(request.owner.clone());
+        op.lease_expires_at = Some(add(now, request.lease));
+        op.first_attempt_at.get_or_insert(now);
+        op.next_attempt_at = None;
+        op.updated_at = now;
+        let attempt_id = Uuid::now_v7();
+        attempts.push(NewAttempt {
+            attempt_id,
+            operation_id: id,
+            number: op.attempt_count,
+            epoch: op.lease_epoch,
+            worker: &request.owner,
+            started_at: now,
+        });
+        events.push(NewEvent {
+            operation_id: id,
+            from: Some(from),
+            to,
+            reason: "claimed",
+            attempt_id: Some(attempt_id),
+            epoch: op.lease_epoch,
+            actor: Some(&request.owner),
+            at: now,
+            detail: None,
+        });
+        let event_id = op.event_id.clone();
+        outbox.push(result_row(&mut op, &event_id, Dedupe::miss(), now)?);
+        queue.push(op.clone());
+        claims.push(Claim {
+            first_attempt_at: op.first_attempt_at,
+            operation: op,
+            attempt_id: Some(attempt_id),
+            claimed_at: now,
+        });
+    }
+    tx.insert_attempts_batch(&attempts).await?;
+    tx.insert_events_batch(&events).await?;
+    let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
+        .iter()
+        .map(|op| (op, QueueState::Inflight, now))
+        .collect();
+    tx.put_queue_rows(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    tx.update_operations_batch(&queue).await?;
+    Ok(claims)
+}
+
+/// Records outcomes (see [`crate::Ledger::record`]) with a fixed number of statements
+/// per batch: the operations are locked in one statement, each transition is planned in
+/// memory, and events, queue rows, result rows, operations and attempts are each written
+/// in one statement (row by row where a backend has no batched form). A compensation
+/// settles its original in the same transaction, so a batch holding one takes the
+/// one-by-one path.
+pub(crate) async fn record<T: Tx>(
+    tx: &mut T,
+    recordings: &[Recording],
+) -> Result<Vec<Result<Operation>>> {
+    let now = tx.now().await?;
+    let ids: Vec<Uuid> = recordings.iter().map(|r| r.operation_id).collect();
+    let distinct: std::collections::HashSet<&Uuid> = ids.iter().collect();
+    let mut locked = tx.lock_operations(&ids).await?;
+    if distinct.len() != ids.len() || locked.values().any(|op| op.compensates.is_some()) {
+        return record_one_by_one(tx, recordings, locked, now).await;
+    }
+    let mut results = Vec::with_capacity(recordings.len());
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    let mut finished = Vec::new();
+    let mut changed = Vec::new();
+    for rec in recordings {
+        let Some(mut op) = locked.remove(&rec.operation_id) else {
+            results.push(Err(Error::NotFound(rec.operation_id)));
+            continue;
+        };
+        if let Err(e) = fence_and_fill(&mut op, rec) {
+            results.push(Err(e));
+            continue;
+        }
+        match plan_change(&mut op, recording_change(rec), now)? {
+            Err(e) => results.push(Err(e)),
+            Ok(planned) => {
+                events.push(planned.event);
+                queue.push((op.clone(), planned.queue, planned.ready_at));
+                outbox.extend(planned.outbox);
+                if let Some((attempt_id, report)) = &rec.attempt {
+                    finished.push((op.operation_id, *attempt_id, report));
+                }
+                changed.push(op.clone());
+                results.push(Ok(op));
+            }
+        }
+    }
+    tx.insert_events_batch(&events).await?;
+    let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> =
+        queue.iter().map(|(op, q, r)| (op, *q, *r)).collect();
+    tx.put_queue_rows(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    tx.update_operations_batch(&changed).await?;
+    tx.finish_attempts_batch(&finished, now).await?;
+    Ok(results)
+}
+
+/// The epoch check and the fields a recording carries besides the transition.
+pub(super) fn fence_and_fill(op: &mut Operation, rec: &Recording) -> Result<()> {
+    if op.lease_epoch != rec.epoch {
+        return Err(Error::StaleEpoch {
+            operation_id: rec.operation_id,
+            presented: rec.epoch,
+            current: op.lease_epoch,
+        });
+    }
+    if let Some(result) = &rec.result {
+        op.result = Some(result.clone());
+    }
+    if rec.external_object_id.is_some() {
+        op.external_object_id.clone_from(&rec.external_object_id);
+    }
+    if rec.external_request_id.is_some() {
+        op.external_request_id.clone_from(&rec.external_request_id);
+    }
+    if rec.error.is_some() {
+        op.error.clone_from(&rec.error);
+    }
+    Ok(())
+}
+
+pub(super) fn recording_change(rec: &Recording) -> Change<'_> {
+    Change {
+        event: rec.event,
+        reason: &rec.reason,
+        attempt_id: rec.attempt.as_ref().map(|(id, _)| *id),
+        actor: None,
+        next_in: rec.next_in,
+        detail: None,
+        ambiguity: rec.ambiguity,
+    }
+}
+
+/// [`record`] one recording at a time (a compensation among them, or an operation
+/// twice): each change goes through [`change`], which settles a compensation's original.
+pub(super) async fn record_one_by_one<T: Tx>(
+    tx: &mut T,
+    recordings: &[Recording],
+    mut locked: HashMap<Uuid, Operation>,
+    now: OffsetDateTime,
+) -> Result<Vec<Result<Operation>>> {
+    let mut results = Vec::with_capacity(recordings.len());
+    for rec in recordings {
+        // An operation recorded twice in one batch: its second recording sees the first.
+        let op = match locked.remove(&rec.operation_id) {
+            Some(op) => Some(op),
+            None => tx.read_operation(rec.operation_id).await?,
+        };
+        let Some(mut op) = op else {
+            results.push(Err(Error::NotFound(rec.operation_id)));
+            continue;
+        };
+        if let Err(e) = fence_and_fill(&mut op, rec) {
+            results.push(Err(e));
+            continue;
+        }
+        if let Err(e) = change(tx, &mut op, recording_change(rec), now).await? {
+            results.push(Err(e));
+            continue;
+        }
+        if let Some((attempt_id, report)) = &rec.attempt {
+            tx.finish_attempt(op.operation_id, *attempt_id, report, now)
+                .await?;
+        }
+        results.push(Ok(op));
+    }
+    Ok(results)
+}

@@ -1,0 +1,317 @@
+//! Ingest: a batch of proposals -> inbox, operations, history, queue and results, with a
+//! fixed number of statements per batch on the hot path.
+
+use super::*;
+
+/// Ingests a batch (see [`crate::Ledger::ingest`]) with a fixed number of statements per
+/// batch on the hot path: inbox rows, new operations, history, queue, results and inbox
+/// decisions are each written in one statement. Duplicates (a minority) are resolved row
+/// by row against the operations they hit.
+pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
+    let now = tx.now().await?;
+    let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
+    let deliveries: Vec<NewInbox<'_>> = batch
+        .iter()
+        .zip(&keys)
+        .map(|(item, key)| {
+            let delivery = match item {
+                IngestItem::Accepted(env) => &env.delivery,
+                IngestItem::Rejected(rej) => &rej.delivery,
+            };
+            (key.as_str(), delivery, item.content_fingerprint())
+        })
+        .collect();
+    // The inbox row is claimed first: a concurrent transaction ingesting the same event
+    // waits here and then finds it, so an event is decided exactly once.
+    let fresh = tx.insert_inbox_batch(&deliveries, now).await?;
+    // Policies beside the key (dedupe window, exclusive group) decide before the key.
+    let guarded = guard_hits(tx, batch, &fresh, now).await?;
+
+    // Every other fresh, accepted proposal is a candidate operation; the unique key decides.
+    let mut candidates = Vec::new();
+    let mut candidate_of = vec![None; batch.len()];
+    for (i, item) in batch.iter().enumerate() {
+        if guarded[i].is_some() {
+            continue;
+        }
+        if let (true, IngestItem::Accepted(env)) = (fresh[i], item) {
+            let mut op = new_operation(env, now);
+            op.result_seq = 1;
+            candidate_of[i] = Some(candidates.len());
+            candidates.push(op);
+        }
+    }
+    let created = tx.insert_operations_batch(&candidates).await?;
+
+    let mut events = Vec::new();
+    let mut queue = Vec::new();
+    let mut outbox = Vec::new();
+    let mut decisions: Vec<(usize, IngestDecision, Option<Uuid>)> = Vec::new();
+    // What the duplicates need, read in a few statements rather than one or two per row:
+    // the inbox rows (and operations) of redelivered events, the operations named by
+    // keys that already existed.
+    let redelivered: Vec<&str> = (0..batch.len())
+        .filter(|&i| !fresh[i])
+        .map(|i| deliveries[i].0)
+        .collect();
+    let inbox_rows = tx.inbox_batch(&redelivered).await?;
+    let prior_ids: Vec<Uuid> = inbox_rows.values().filter_map(|r| r.operation_id).collect();
+    let prior = tx.read_operations(&prior_ids).await?;
+    let mut dup_keys: Vec<(String, String)> = candidates
+        .iter()
+        .zip(&created)
+        .filter(|(_, created)| !**created)
+        .map(|(op, _)| (op.namespace.clone(), op.idempotency_key.clone()))
+        .collect();
+    dup_keys.sort();
+    dup_keys.dedup();
+    let mut existing_by_key = tx.lock_operations_by_keys(&dup_keys).await?;
+    // Existing operations hit by duplicates in this batch, by key, as they stand now.
+    let mut hit: HashMap<(String, String), Operation> = HashMap::new();
+    let mut decided: HashMap<&str, (IngestDecision, Option<Operation>, Option<&str>)> =
+        HashMap::new();
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for (i, item) in batch.iter().enumerate() {
+        let inbox_key = deliveries[i].0;
+        let event_id = item.event_id();
+        if !fresh[i] {
+            // A redelivery: of an event decided earlier in this batch, or in an earlier one.
+            let (decision, operation, first) = match decided.get(inbox_key) {
+                Some((decision, op, fingerprint)) => {
+                    (decision.clone(), op.clone(), fingerprint.map(str::to_owned))
+                }
+                None => {
+                    let row = inbox_rows
+                        .get(inbox_key)
+                        .ok_or_else(|| Error::Corrupt(format!("inbox row {inbox_key} vanished")))?;
+                    let operation = row.operation_id.and_then(|id| prior.get(&id).cloned());
+                    (
+                        IngestDecision::from_row(&row.decision, row.reason.clone()),
+                        operation,
+                        row.fingerprint.clone(),
+                    )
+                }
+            };
+            if let (Some(first), Some(this)) = (first.as_deref(), item.content_fingerprint()) {
+                if first != this {
+                    // The same event id with other content: not a redelivery. Answered
+                    // as refused; the first decision stands.
+                    outbox.push(rejection_row(&event_id_conflict(item, &decision), now)?);
+                    outcomes.push(IngestOutcome {
+                        event_id: event_id.to_owned(),
+                        decision: IngestDecision::Rejected {
+                            reason: "event_id_conflict".into(),
+                        },
+                        inbox_hit: false,
+                        operation: None,
+                    });
+                    continue;
+                }
+            }
+            outcomes.push(IngestOutcome {
+                event_id: event_id.to_owned(),
+                decision,
+                inbox_hit: true,
+                operation,
+            });
+            continue;
+        }
+        let (decision, operation) = match item {
+            IngestItem::Rejected(rejected) => {
+                outbox.push(rejection_row(rejected, now)?);
+                let reason = rejected.rejection.reason.to_owned();
+                (IngestDecision::Rejected { reason }, None)
+            }
+            IngestItem::Accepted(env) if guarded[i].is_some() => {
+                let Some((reason, key)) = guarded[i].clone() else {
+                    return Err(Error::Corrupt("guard lost".into()));
+                };
+                let mut existing = match hit.remove(&key) {
+                    Some(op) => op,
+                    None => tx
+                        .lock_operation_by_key(&key.0, &key.1)
+                        .await?
+                        .ok_or_else(|| {
+                            Error::Corrupt(format!("operation for key {} vanished", key.1))
+                        })?,
+                };
+                outbox.push(result_row(
+                    &mut existing,
+                    &env.event_id,
+                    Dedupe::hit(reason),
+                    now,
+                )?);
+                hit.insert(key, existing.clone());
+                let reason = reason.to_owned();
+                (IngestDecision::Deduplicated { reason }, Some(existing))
+            }
+            IngestItem::Accepted(env) => {
+                let c = candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
+                if created[c] {
+                    let mut op = candidates[c].clone();
+                    op.result_seq = 0;
+                    outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
+                    events.push(c);
+                    queue.push(c);
+                    (IngestDecision::Accepted, Some(op))
+                } else {
+                    let key = (env.key.namespace.clone(), env.key.key.clone());
+                    let existing = match hit.remove(&key) {
+                        Some(op) => op,
+                        None => existing_by_key.remove(&key).ok_or_else(|| {
+                            Error::Corrupt(format!("operation for key {} vanished", key.1))
+                        })?,
+                    };
+                    let (decision, existing) = duplicate(env, existing, now, &mut outbox)?;
+                    hit.insert(key, existing.clone());
+                    (decision, Some(existing))
+                }
+            }
+        };
+        decisions.push((
+            i,
+            decision.clone(),
+            operation.as_ref().map(|o| o.operation_id),
+        ));
+        decided.insert(
+            inbox_key,
+            (
+                decision.clone(),
+                operation.clone(),
+                item.content_fingerprint(),
+            ),
+        );
+        outcomes.push(IngestOutcome {
+            event_id: event_id.to_owned(),
+            decision,
+            inbox_hit: false,
+            operation,
+        });
+    }
+
+    let created_events: Vec<NewEvent<'_>> = events
+        .iter()
+        .map(|&c| NewEvent {
+            operation_id: candidates[c].operation_id,
+            from: None,
+            to: candidates[c].status,
+            reason: "ingested",
+            attempt_id: None,
+            epoch: 0,
+            actor: None,
+            at: now,
+            detail: None,
+        })
+        .collect();
+    tx.insert_events_batch(&created_events).await?;
+    let queue_rows: Vec<(&Operation, QueueState)> = queue
+        .iter()
+        .map(|&c| (&candidates[c], QueueState::of(candidates[c].status)))
+        .collect();
+    tx.put_queue_batch(&queue_rows, now).await?;
+    tx.insert_outbox_batch(&outbox).await?;
+    for op in hit.values() {
+        tx.update_operation(op).await?;
+    }
+    // A dedupe outcome reports the operation as it stands after the whole batch.
+    for outcome in &mut outcomes {
+        if let Some(op) = &mut outcome.operation {
+            if let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone())) {
+                *op = latest.clone();
+            }
+        }
+    }
+    let inbox_rows: Vec<(&str, &IngestDecision, Option<Uuid>)> = decisions
+        .iter()
+        .map(|(i, decision, op)| (deliveries[*i].0, decision, *op))
+        .collect();
+    tx.set_inbox_batch(&inbox_rows).await?;
+    Ok(outcomes)
+}
+
+/// The refusal of a proposal that reuses an event id with other content.
+pub(super) fn event_id_conflict(item: &IngestItem, first: &IngestDecision) -> RejectedProposal {
+    let mut rejected = match item {
+        IngestItem::Accepted(env) => RejectedProposal {
+            event_id: env.event_id.clone(),
+            delivery: env.delivery.clone(),
+            namespace: Some(env.key.namespace.clone()),
+            workflow_id: env.workflow_id.clone(),
+            step: env.step,
+            tool: Some(env.tool.clone()),
+            entity: Some(env.entity.clone()),
+            rejection: Rejection {
+                reason: "event_id_conflict",
+                message: String::new(),
+            },
+            content_fingerprint: Some(env.content_fingerprint.clone()),
+        },
+        IngestItem::Rejected(r) => (**r).clone(),
+    };
+    rejected.rejection = Rejection {
+        reason: "event_id_conflict",
+        message: format!(
+            "event id `{}` was already used by a proposal with other content (decided {}); a new proposal needs a new event id",
+            rejected.event_id,
+            first.as_str()
+        ),
+    };
+    rejected
+}
+
+/// A proposal whose key names an existing operation: a dedupe hit (a new result with the
+/// next sequence number), or a key conflict when the tool differs or, for the
+/// workflow_step strategy, the arguments differ.
+pub(super) fn duplicate(
+    env: &Envelope,
+    mut existing: Operation,
+    now: OffsetDateTime,
+    outbox: &mut Vec<NewOutbox>,
+) -> Result<(IngestDecision, Operation)> {
+    let conflict = if existing.tool != env.tool {
+        Some(format!(
+            "key `{}` already names operation {} of tool `{}`; give the tools distinct key templates",
+            env.key.key, existing.operation_id, existing.tool
+        ))
+    } else if env.key_strategy == KeyStrategy::WorkflowStep
+        && existing.args_fingerprint != env.args_fingerprint
+    {
+        Some(format!(
+            "key `{}` already names operation {} with different arguments; a new step is needed",
+            env.key.key, existing.operation_id
+        ))
+    } else {
+        None
+    };
+    if let Some(message) = conflict {
+        let rejected = RejectedProposal {
+            event_id: env.event_id.clone(),
+            delivery: env.delivery.clone(),
+            namespace: Some(env.key.namespace.clone()),
+            workflow_id: env.workflow_id.clone(),
+            step: env.step,
+            tool: Some(env.tool.clone()),
+            entity: Some(env.entity.clone()),
+            rejection: Rejection {
+                reason: "key_conflict",
+                message,
+            },
+            content_fingerprint: Some(env.content_fingerprint.clone()),
+        };
+        outbox.push(rejection_row(&rejected, now)?);
+        let decision = IngestDecision::Rejected {
+            reason: "key_conflict".into(),
+        };
+        return Ok((decision, existing));
+    }
+    outbox.push(result_row(
+        &mut existing,
+        &env.event_id,
+        Dedupe::hit("key"),
+        now,
+    )?);
+    let decision = IngestDecision::Deduplicated {
+        reason: "key".into(),
+    };
+    Ok((decision, existing))
+}

@@ -1,0 +1,357 @@
+//! The statements a backend provides inside one open transaction, and the rows they write.
+
+use super::*;
+
+/// A history entry to append.
+pub(crate) struct NewEvent<'a> {
+    pub operation_id: Uuid,
+    pub from: Option<Status>,
+    pub to: Status,
+    pub reason: &'a str,
+    pub attempt_id: Option<Uuid>,
+    pub epoch: i64,
+    pub actor: Option<&'a str>,
+    pub at: OffsetDateTime,
+    pub detail: Option<serde_json::Value>,
+}
+
+/// An attempt row, written before the tool is called.
+pub(crate) struct NewAttempt<'a> {
+    pub attempt_id: Uuid,
+    pub operation_id: Uuid,
+    pub number: u32,
+    pub epoch: i64,
+    pub worker: &'a str,
+    pub started_at: OffsetDateTime,
+}
+
+/// A result-outbox row.
+pub(crate) struct NewOutbox {
+    pub operation_id: Option<Uuid>,
+    pub seq: i64,
+    pub status: String,
+    pub kafka_key: String,
+    pub payload: serde_json::Value,
+    pub at: OffsetDateTime,
+}
+
+/// An existing inbox row.
+pub(crate) struct InboxRow {
+    pub decision: String,
+    pub reason: Option<String>,
+    pub operation_id: Option<Uuid>,
+    /// The content fingerprint of the proposal that made it (`None` for rows written
+    /// before fingerprints were kept, and for proposals that could not be decoded).
+    pub fingerprint: Option<String>,
+}
+
+/// A new inbox row: its key (`{namespace}/{event_id}`), delivery and fingerprint.
+pub(crate) type NewInbox<'a> = (&'a str, &'a Delivery, Option<&'a str>);
+
+/// The statements a backend provides inside one open transaction.
+pub(crate) trait Tx: Send {
+    /// The database clock.
+    fn now(&mut self) -> impl Future<Output = Result<OffsetDateTime>> + Send;
+    /// Inserts an inbox row (decision `accepted`, no operation yet); false if it exists.
+    fn insert_inbox(
+        &mut self,
+        row: NewInbox<'_>,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<bool>> + Send;
+    /// An existing inbox row: decision, reason, operation.
+    fn inbox(&mut self, event_id: &str) -> impl Future<Output = Result<Option<InboxRow>>> + Send;
+    /// Sets an inbox row's decision.
+    fn set_inbox(
+        &mut self,
+        event_id: &str,
+        decision: &IngestDecision,
+        operation_id: Option<Uuid>,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts an operation unless its (namespace, key) exists; false if it did.
+    fn insert_operation(&mut self, op: &Operation) -> impl Future<Output = Result<bool>> + Send;
+    /// Reads an operation without locking it.
+    fn read_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Row-locks an operation unless another transaction holds it (then `None`): the
+    /// claim paths lock queue rows first, so they must never wait on an operation lock.
+    fn try_lock_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Reads and row-locks an operation.
+    fn lock_operation(
+        &mut self,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Reads and row-locks an operation by key.
+    fn lock_operation_by_key(
+        &mut self,
+        namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Inbox rows of these event ids (absent ones are left out). The default runs one
+    /// statement per id; a backend with costly round trips overrides it.
+    fn inbox_batch(
+        &mut self,
+        event_ids: &[&str],
+    ) -> impl Future<Output = Result<HashMap<String, InboxRow>>> + Send {
+        async move {
+            let mut rows = HashMap::new();
+            for id in event_ids {
+                if let Some(row) = self.inbox(id).await? {
+                    rows.insert((*id).to_owned(), row);
+                }
+            }
+            Ok(rows)
+        }
+    }
+    /// Reads operations by id, without locking (absent ones are left out).
+    fn read_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for id in ids {
+                if let Some(op) = self.read_operation(*id).await? {
+                    ops.insert(*id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Reads and row-locks operations by (namespace, key) (absent ones are left out).
+    fn lock_operations_by_keys(
+        &mut self,
+        keys: &[(String, String)],
+    ) -> impl Future<Output = Result<HashMap<(String, String), Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for key in keys {
+                if let Some(op) = self.lock_operation_by_key(&key.0, &key.1).await? {
+                    ops.insert(key.clone(), op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Serializes policy checks on one entity until the transaction ends (PostgreSQL: a
+    /// transaction-scoped advisory lock; SQLite has a single writer already).
+    fn lock_entity(&mut self, entity_key: &str) -> impl Future<Output = Result<()>> + Send;
+    /// Reads and row-locks the oldest operation a guard finds (see [`GuardProbe`]).
+    fn lock_guarded(
+        &mut self,
+        probe: &GuardProbe<'_>,
+    ) -> impl Future<Output = Result<Option<Operation>>> + Send;
+    /// Writes an operation's mutable columns.
+    fn update_operation(&mut self, op: &Operation) -> impl Future<Output = Result<()>> + Send;
+    /// Appends a history entry.
+    fn insert_event(&mut self, event: &NewEvent<'_>) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts an attempt row.
+    fn insert_attempt(
+        &mut self,
+        attempt: &NewAttempt<'_>,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Finishes an attempt row (only one of this operation's).
+    fn finish_attempt(
+        &mut self,
+        operation_id: Uuid,
+        attempt_id: Uuid,
+        report: &AttemptReport,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts or updates an operation's queue row.
+    fn put_queue(
+        &mut self,
+        op: &Operation,
+        state: QueueState,
+        ready_at: OffsetDateTime,
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Appends a result-outbox row.
+    fn insert_outbox(&mut self, row: &NewOutbox) -> impl Future<Output = Result<()>> + Send;
+    /// Inserts inbox rows for a batch; per row, whether it was inserted (false for an
+    /// event id that exists, or repeats an earlier row of the batch). The default runs one
+    /// statement per row; a backend with costly round trips overrides it.
+    fn insert_inbox_batch(
+        &mut self,
+        rows: &[NewInbox<'_>],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+        async move {
+            let mut inserted = Vec::with_capacity(rows.len());
+            for row in rows {
+                inserted.push(self.insert_inbox(*row, at).await?);
+            }
+            Ok(inserted)
+        }
+    }
+    /// Inserts operations unless their (namespace, key) exists; per row, whether it was
+    /// inserted.
+    fn insert_operations_batch(
+        &mut self,
+        ops: &[Operation],
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+        async move {
+            let mut inserted = Vec::with_capacity(ops.len());
+            for op in ops {
+                inserted.push(self.insert_operation(op).await?);
+            }
+            Ok(inserted)
+        }
+    }
+    /// Appends history entries.
+    fn insert_events_batch(
+        &mut self,
+        events: &[NewEvent<'_>],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for e in events {
+                self.insert_event(e).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts queue rows for new operations.
+    fn put_queue_batch(
+        &mut self,
+        rows: &[(&Operation, QueueState)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, state) in rows {
+                self.put_queue(op, *state, at, at).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Appends result-outbox rows, in order.
+    fn insert_outbox_batch(
+        &mut self,
+        rows: &[NewOutbox],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for row in rows {
+                self.insert_outbox(row).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Sets inbox decisions.
+    fn set_inbox_batch(
+        &mut self,
+        rows: &[(&str, &IngestDecision, Option<Uuid>)],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (event_id, decision, op) in rows {
+                self.set_inbox(event_id, decision, *op).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Reads and row-locks operations by id, in id order (absent ones are left out).
+    fn lock_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut sorted = ids.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            let mut ops = HashMap::new();
+            for id in sorted {
+                if let Some(op) = self.lock_operation(id).await? {
+                    ops.insert(id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Row-locks the operations no other transaction holds (the others are left out).
+    fn try_lock_operations(
+        &mut self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<HashMap<Uuid, Operation>>> + Send {
+        async move {
+            let mut ops = HashMap::new();
+            for id in ids {
+                if let Some(op) = self.try_lock_operation(*id).await? {
+                    ops.insert(*id, op);
+                }
+            }
+            Ok(ops)
+        }
+    }
+    /// Writes operations' mutable columns.
+    fn update_operations_batch(
+        &mut self,
+        ops: &[Operation],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for op in ops {
+                self.update_operation(op).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts or updates queue rows, each with its own ready time.
+    fn put_queue_rows(
+        &mut self,
+        rows: &[(&Operation, QueueState, OffsetDateTime)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, state, ready_at) in rows {
+                self.put_queue(op, *state, *ready_at, at).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Inserts attempt rows.
+    fn insert_attempts_batch(
+        &mut self,
+        attempts: &[NewAttempt<'_>],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for a in attempts {
+                self.insert_attempt(a).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Finishes attempt rows: (operation, attempt, what it observed).
+    fn finish_attempts_batch(
+        &mut self,
+        attempts: &[(Uuid, Uuid, &AttemptReport)],
+        at: OffsetDateTime,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            for (op, attempt, report) in attempts {
+                self.finish_attempt(*op, *attempt, report, at).await?;
+            }
+            Ok(())
+        }
+    }
+    /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones and
+    /// those of `skip_tools`; returns each with its tool.
+    fn pick_claimable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+        skip_tools: &[String],
+    ) -> impl Future<Output = Result<Vec<(Uuid, String)>>> + Send;
+    /// Locks up to `limit` dispatched operations whose lease expired.
+    fn pick_expired(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Locks up to `limit` unleased, due unknown_outcome / acknowledged operations.
+    fn pick_reconcilable(
+        &mut self,
+        now: OffsetDateTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+}
