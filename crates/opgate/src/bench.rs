@@ -125,13 +125,19 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
         joined.as_secs_f64(),
     );
     if let Some(path) = opts.write {
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(&path)?;
-        writeln!(file, "{line}")?;
-        println!("appended to {}", path.display());
+        append_row(&path, &line)?;
     }
+    Ok(())
+}
+
+/// Appends a table row to a Markdown file.
+pub(crate) fn append_row(path: &std::path::Path, line: &str) -> anyhow::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)?;
+    writeln!(file, "{line}")?;
+    println!("appended to {}", path.display());
     Ok(())
 }
 

@@ -8,7 +8,6 @@
 //! writes per operation (from `pg_stat_database`), and can append a row to BENCHMARKS.md.
 
 use std::collections::HashSet;
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +18,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::bench::{empty_ledger, publish, today, workload};
+use crate::bench::{append_row, empty_ledger, publish, today, workload};
 use crate::config::{Config, DatabaseConfig};
 use crate::roles::{self, EnvLookup};
 
@@ -269,12 +268,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         joined.as_secs_f64(),
     );
     if let Some(path) = opts.write {
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(&path)?;
-        writeln!(file, "{line}")?;
-        println!("appended to {}", path.display());
+        append_row(&path, &line)?;
     }
     Ok(())
 }

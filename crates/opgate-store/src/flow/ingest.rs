@@ -229,34 +229,38 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     Ok(outcomes)
 }
 
+/// The refusal of an accepted proposal that the ledger's contents contradict.
+fn refusal(env: &Envelope, reason: &'static str, message: String) -> RejectedProposal {
+    RejectedProposal {
+        event_id: env.event_id.clone(),
+        delivery: env.delivery.clone(),
+        namespace: Some(env.key.namespace.clone()),
+        workflow_id: env.workflow_id.clone(),
+        step: env.step,
+        tool: Some(env.tool.clone()),
+        entity: Some(env.entity.clone()),
+        rejection: Rejection { reason, message },
+        content_fingerprint: Some(env.content_fingerprint.clone()),
+    }
+}
+
 /// The refusal of a proposal that reuses an event id with other content.
 pub(super) fn event_id_conflict(item: &IngestItem, first: &IngestDecision) -> RejectedProposal {
-    let mut rejected = match item {
-        IngestItem::Accepted(env) => RejectedProposal {
-            event_id: env.event_id.clone(),
-            delivery: env.delivery.clone(),
-            namespace: Some(env.key.namespace.clone()),
-            workflow_id: env.workflow_id.clone(),
-            step: env.step,
-            tool: Some(env.tool.clone()),
-            entity: Some(env.entity.clone()),
+    let message = format!(
+        "event id `{}` was already used by a proposal with other content (decided {}); a new proposal needs a new event id",
+        item.event_id(),
+        first.as_str()
+    );
+    match item {
+        IngestItem::Accepted(env) => refusal(env, "event_id_conflict", message),
+        IngestItem::Rejected(r) => RejectedProposal {
             rejection: Rejection {
                 reason: "event_id_conflict",
-                message: String::new(),
+                message,
             },
-            content_fingerprint: Some(env.content_fingerprint.clone()),
+            ..(**r).clone()
         },
-        IngestItem::Rejected(r) => (**r).clone(),
-    };
-    rejected.rejection = Rejection {
-        reason: "event_id_conflict",
-        message: format!(
-            "event id `{}` was already used by a proposal with other content (decided {}); a new proposal needs a new event id",
-            rejected.event_id,
-            first.as_str()
-        ),
-    };
-    rejected
+    }
 }
 
 /// A proposal whose key names an existing operation: a dedupe hit (a new result with the
@@ -284,20 +288,7 @@ pub(super) fn duplicate(
         None
     };
     if let Some(message) = conflict {
-        let rejected = RejectedProposal {
-            event_id: env.event_id.clone(),
-            delivery: env.delivery.clone(),
-            namespace: Some(env.key.namespace.clone()),
-            workflow_id: env.workflow_id.clone(),
-            step: env.step,
-            tool: Some(env.tool.clone()),
-            entity: Some(env.entity.clone()),
-            rejection: Rejection {
-                reason: "key_conflict",
-                message,
-            },
-            content_fingerprint: Some(env.content_fingerprint.clone()),
-        };
+        let rejected = refusal(env, "key_conflict", message);
         outbox.push(rejection_row(&rejected, now)?);
         let decision = IngestDecision::Rejected {
             reason: "key_conflict".into(),
