@@ -157,3 +157,76 @@ async fn a_key_or_entity_that_is_not_a_header_value_is_never_sent() {
     let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
     assert!(accepted.is_err(), "a connection reached the provider");
 }
+
+/// Answers every request on `listener` with `status` and `body`, then closes.
+async fn answer_with(listener: tokio::net::TcpListener, status: &'static str, body: &'static [u8]) {
+    use tokio::io::AsyncWriteExt;
+    while let Ok((mut socket, _)) = listener.accept().await {
+        let mut buf = vec![0u8; 8192];
+        let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+        let head = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = socket.write_all(head.as_bytes()).await;
+        let _ = socket.write_all(body).await;
+    }
+}
+
+/// A provider's answer with a NUL (a `\u0000` escape in its JSON, or a raw NUL in an
+/// error body) must not make the outcome unrecordable: PostgreSQL cannot store it, so the
+/// adapter reports it with U+FFFD instead, never dropping the answer.
+#[tokio::test]
+async fn a_nul_in_a_providers_answer_is_made_storable() {
+    let ok = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let ok_addr = ok.local_addr().expect("addr");
+    tokio::spawn(answer_with(
+        ok,
+        "200 OK",
+        br#"{"charge_id": "ch\u0000_1", "k\u0000": 1}"#,
+    ));
+    let op = operation();
+    let report = adapter(&format!("http://{ok_addr}/x"), 1000)
+        .dispatch(&DispatchRequest {
+            operation: &op,
+            attempt_id: Uuid::now_v7(),
+            provider_key: "default/k:v1",
+        })
+        .await;
+    assert_eq!(
+        report.outcome,
+        AdapterOutcome::Committed {
+            acknowledged: false
+        }
+    );
+    assert_eq!(
+        report.result,
+        Some(json!({"charge_id": "ch\u{fffd}_1", "k\u{fffd}": 1}))
+    );
+
+    let failing = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let failing_addr = failing.local_addr().expect("addr");
+    tokio::spawn(answer_with(
+        failing,
+        "422 Unprocessable Entity",
+        b"bad\0input",
+    ));
+    let report = adapter(&format!("http://{failing_addr}/x"), 1000)
+        .dispatch(&DispatchRequest {
+            operation: &op,
+            attempt_id: Uuid::now_v7(),
+            provider_key: "default/k:v1",
+        })
+        .await;
+    assert_eq!(
+        report.outcome,
+        AdapterOutcome::Rejected { status: Some(422) }
+    );
+    let detail = report.detail.expect("detail");
+    assert!(!detail.contains('\0'), "{detail:?}");
+    assert!(detail.contains("bad\u{fffd}input"), "{detail:?}");
+}

@@ -148,7 +148,8 @@ pub(crate) fn outcome_label(outcome: &AdapterOutcome) -> &'static str {
 }
 
 impl Dispatcher {
-    /// A dispatcher over the ledger with the tools' adapters.
+    /// A dispatcher over the ledger with the tools' adapters. Call it inside a Tokio
+    /// runtime: it starts the task that group-commits call outcomes.
     pub fn new(
         ledger: SharedLedger,
         registry: Arc<Registry>,
