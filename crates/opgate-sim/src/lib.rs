@@ -224,6 +224,12 @@ impl Sim {
         self.lock().faults.clear();
     }
 
+    /// Milliseconds since these providers started: the clock of [`EffectEntry::at_ms`],
+    /// so a client can stamp what it sends on the same clock.
+    pub fn elapsed_ms(&self) -> u64 {
+        self.lock().started.elapsed().as_millis() as u64
+    }
+
     /// The effects so far.
     pub fn effects(&self) -> EffectsReport {
         let inner = self.lock();
@@ -396,8 +402,8 @@ impl Drop for InFlight {
 }
 
 /// How a provider recognises a repeated request.
-#[derive(Debug, Clone, Copy)]
-enum KeyedBy {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedBy {
     /// The `Idempotency-Key` header (payments, refunds); looked up by `idempotency_key`.
     Header,
     /// A body field, looked up by a query parameter of the same name.
@@ -405,7 +411,7 @@ enum KeyedBy {
 }
 
 /// Each provider and how it keys requests (every provider but `emails` deduplicates).
-const ROUTES: [(&str, KeyedBy); 6] = [
+pub const ROUTES: [(&str, KeyedBy); 6] = [
     ("payments", KeyedBy::Header),
     ("emails", KeyedBy::Body("client_reference")),
     ("tickets", KeyedBy::Body("client_token")),

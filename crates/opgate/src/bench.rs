@@ -9,13 +9,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use opgate_core::{Limits, Registry};
 use opgate_kafka::config::PROPOSALS;
 use opgate_kafka::topics::builtin_specs;
 use opgate_kafka::{EmbeddedBroker, IngestStats, IngestWorker, KafkaConfig};
 use rand::{Rng, SeedableRng};
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 
 const TOOLS: &str = r#"
@@ -64,7 +63,7 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
     let (_url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "ingest").await?;
 
     let (records, events, keys) = workload(opts.proposals, 42);
-    publish(&config, &records).await?;
+    opgate_fleet::client::publish(&config, &records).await?;
 
     let registry = Arc::new(Registry::from_toml(TOOLS)?);
     let worker = IngestWorker::new(&config, ledger.clone(), registry, Limits::default())?;
@@ -138,27 +137,6 @@ pub(crate) fn append_row(path: &std::path::Path, line: &str) -> anyhow::Result<(
         .open(path)?;
     writeln!(file, "{line}")?;
     println!("appended to {}", path.display());
-    Ok(())
-}
-
-/// Publishes (key, value) records to the proposals topic and waits for every ack.
-pub(crate) async fn publish(
-    config: &KafkaConfig,
-    records: &[(String, Vec<u8>)],
-) -> anyhow::Result<()> {
-    let producer: FutureProducer = config.client_config()?.create()?;
-    let topic = config.topic(PROPOSALS);
-    let mut pending = Vec::with_capacity(records.len());
-    for (key, value) in records {
-        pending.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(key).payload(value))
-                .map_err(|(e, _)| e)?,
-        );
-    }
-    for p in pending {
-        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
-    }
     Ok(())
 }
 

@@ -7,18 +7,14 @@
 //! -> first dispatch, consume -> settled), and on PostgreSQL the transactions and row
 //! writes per operation (from `pg_stat_database`), and can append a row to BENCHMARKS.md.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use opgate_kafka::config::{PROPOSALS, RESULTS};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
-use rdkafka::{Offset, TopicPartitionList};
+use opgate_kafka::config::PROPOSALS;
 
-use crate::bench::{append_row, empty_ledger, publish, today, workload};
+use crate::bench::{append_row, empty_ledger, today, workload};
 use crate::config::{Config, DatabaseConfig};
 use crate::roles::{self, EnvLookup};
 
@@ -112,7 +108,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     }
     let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
     let kafka = opgate_kafka::KafkaConfig::new(broker.bootstrap_servers());
-    publish(&kafka, &records).await?;
+    opgate_fleet::client::publish(&kafka, &records).await?;
 
     let mut config = Config::parse(TOOLS).context("the benchmark's tools")?;
     config.kafka = Some(kafka.clone());
@@ -138,53 +134,12 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     };
 
     // Count each operation's final result on opgate.results, from the beginning.
-    let results = kafka.topic(RESULTS);
-    let reader_config = kafka.client_config()?;
-    let expected = keys;
-    let reader = tokio::task::spawn_blocking(move || -> anyhow::Result<(Instant, Instant)> {
-        let mut config = reader_config;
-        config
-            .set(
-                "group.id",
-                format!("bench-reader-{:x}", rand::random::<u64>()),
-            )
-            .set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = config.create()?;
-        let metadata = consumer.fetch_metadata(Some(&results), Duration::from_secs(10))?;
-        let partitions = metadata.topics()[0].partitions().len() as i32;
-        let mut list = TopicPartitionList::new();
-        for p in 0..partitions {
-            list.add_partition_offset(&results, p, Offset::Beginning)?;
-        }
-        consumer.assign(&list)?;
-        let mut settled = HashSet::new();
-        let mut first = None;
-        let deadline = Instant::now() + Duration::from_secs(1800);
-        while settled.len() < expected {
-            if Instant::now() > deadline {
-                bail!(
-                    "only {} of {expected} operations settled in 30 minutes",
-                    settled.len()
-                );
-            }
-            let Some(m) = consumer.poll(Duration::from_millis(100)) else {
-                continue;
-            };
-            let m = m?;
-            let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap_or_default())?;
-            let terminal = matches!(
-                v["status"].as_str(),
-                Some(
-                    "completed_success" | "completed_noop" | "failed_permanent" | "needs_attention"
-                )
-            );
-            if let (true, Some(id)) = (terminal, v["operation_id"].as_str()) {
-                first.get_or_insert_with(Instant::now);
-                settled.insert(id.to_owned());
-            }
-        }
-        Ok((first.unwrap_or_else(Instant::now), Instant::now()))
-    });
+    let reader = {
+        let kafka = kafka.clone();
+        tokio::task::spawn_blocking(move || {
+            opgate_fleet::client::wait_for_final_results(&kafka, keys, Duration::from_secs(1800))
+        })
+    };
 
     let started = Instant::now();
     let roles_list: Vec<String> = ["ingest", "relay", "dispatch", "reconcile"]

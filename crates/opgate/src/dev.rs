@@ -11,8 +11,8 @@ use opgate_kafka::config::PROPOSALS;
 use serde_json::json;
 
 use crate::config::{ApiConfig, Config, DatabaseConfig, TokenConfig};
-use crate::demo::{self, DemoArgs};
 use crate::roles::{self, EnvLookup};
+use opgate_fleet::demo::{self, DemoArgs};
 
 /// Options of `opgate dev`.
 #[derive(Debug, clap::Args)]

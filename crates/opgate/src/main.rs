@@ -11,7 +11,6 @@ mod bench;
 mod bench_e2e;
 mod cli;
 mod config;
-mod demo;
 mod dev;
 mod roles;
 
@@ -86,6 +85,11 @@ enum Command {
     Propose(cli::ProposeArgs),
     /// Inspect and act on operations through the admin API.
     Ops(cli::OpsArgs),
+    /// The seeds' KPIs (duplicate effects, lost proposals, false and missed dedupes,
+    /// ambiguity resolved, latency) for opgate and a naive baseline on one labelled
+    /// workload, with provider faults and chaos; exits non-zero on any duplicate effect,
+    /// lost proposal or false dedupe.
+    Eval(opgate_fleet::eval::EvalArgs),
     /// Benchmarks that print figures and can append them to BENCHMARKS.md.
     Bench {
         #[command(subcommand)]
@@ -129,6 +133,7 @@ async fn main() -> ExitCode {
     // stays quiet unless RUST_LOG asks otherwise.
     let default_filter = match &cli.command {
         Command::Dev(args) if args.demo => "error",
+        Command::Eval(_) => "warn,rdkafka=off,librdkafka=off",
         _ => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -223,6 +228,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Dev(args) => dev::dev(args).await?,
+        Command::Eval(args) => eval(args).await?,
         Command::Propose(args) => cli::propose(args).await?,
         Command::Ops(args) => cli::ops(args).await?,
         Command::Bench {
@@ -233,4 +239,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => bench_e2e::e2e(opts).await?,
     }
     Ok(())
+}
+
+/// `opgate eval`: the worker processes are this binary's `run`.
+async fn eval(args: opgate_fleet::eval::EvalArgs) -> anyhow::Result<()> {
+    let setup = opgate_fleet::eval::EvalSetup {
+        exe: std::env::current_exe().context("locating the opgate binary")?,
+        tools: dev::DEV_CONFIG,
+    };
+    let (json, markdown) = (args.json.clone(), args.markdown.clone());
+    let report = opgate_fleet::eval::run(setup, args).await?;
+    print!("{report}");
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = markdown {
+        std::fs::write(&path, report.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    report.verdict()
 }

@@ -7,8 +7,6 @@
 //! therefore reports what agents and providers saw, not what opgate believes.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{IsTerminal as _, Write as _};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -16,14 +14,14 @@ use opgate_core::Status;
 use opgate_kafka::config::{DLQ, PROPOSALS, RESULTS};
 use opgate_sim::{FaultKind, FaultSpec, Sim};
 use opgate_store::{ListFilter, SharedLedger};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Message as _;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+
+use crate::observe::Observer;
+use crate::progress::Progress;
+use crate::workload::{self, Kind};
 
 /// Options of the demo fleet.
 #[derive(Debug, Clone, clap::Args)]
@@ -55,27 +53,6 @@ pub struct Target {
     pub sim: Sim,
     /// The ledger, for the history counts in the table.
     pub ledger: SharedLedger,
-}
-
-/// The first answer to a proposal, as read from `opgate.results`.
-#[derive(Debug, Clone)]
-struct Answer {
-    status: String,
-    dedupe_reason: Option<String>,
-    operation_id: Option<String>,
-}
-
-/// Everything read from the results and DLQ topics.
-#[derive(Debug, Default)]
-struct Observed {
-    /// First answer per event id.
-    answers: HashMap<String, Answer>,
-    /// Latest (seq, status) per operation.
-    latest: HashMap<String, (i64, String)>,
-    /// Result messages read (including republished duplicates).
-    messages: u64,
-    /// DLQ records by reason.
-    dlq: BTreeMap<String, u64>,
 }
 
 /// One scripted incident: what was sent and what must hold afterwards.
@@ -119,7 +96,7 @@ struct Fleet {
     producer: FutureProducer,
     http: reqwest::Client,
     target: Target,
-    observed: Arc<Mutex<Observed>>,
+    observed: Observer,
     /// Event ids sent (distinct) and the number of sends (with redeliveries).
     sent: HashSet<String>,
     sends: u64,
@@ -239,7 +216,7 @@ impl Fleet {
                 .timeout(Duration::from_secs(30))
                 .build()?,
             target,
-            observed: Arc::new(Mutex::new(Observed::default())),
+            observed: Observer::default(),
             sent: HashSet::new(),
             sends: 0,
             http_sends: 0,
@@ -252,60 +229,9 @@ impl Fleet {
         &self,
         cancel: CancellationToken,
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-        let consumer: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.target.bootstrap)
-            .set("group.id", format!("opgate-demo-{}", uuid::Uuid::now_v7()))
-            .set("auto.offset.reset", "earliest")
-            .set("enable.auto.commit", "false")
-            .create()
-            .context("creating the demo fleet's results reader")?;
-        consumer.subscribe(&[RESULTS, DLQ])?;
-        let observed = self.observed.clone();
-        Ok(tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    () = cancel.cancelled() => return,
-                    m = consumer.recv() => m,
-                };
-                let Ok(message) = message else { continue };
-                let mut seen = observed.lock().unwrap_or_else(|e| e.into_inner());
-                if message.topic() == DLQ {
-                    let reason = rdkafka::message::Headers::iter(
-                        &message.headers().map(|h| h.detach()).unwrap_or_default(),
-                    )
-                    .find(|h| h.key == "opgate.dlq.reason")
-                    .and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned()))
-                    .unwrap_or_else(|| "unknown".into());
-                    *seen.dlq.entry(reason).or_default() += 1;
-                    continue;
-                }
-                let Some(Ok(result)) = message.payload().map(serde_json::from_slice::<Value>)
-                else {
-                    continue;
-                };
-                seen.messages += 1;
-                let text = |k: &str| result.get(k).and_then(Value::as_str).map(str::to_owned);
-                let status = text("status").unwrap_or_default();
-                let operation_id = text("operation_id");
-                if let Some(event_id) = text("event_id") {
-                    seen.answers.entry(event_id).or_insert_with(|| Answer {
-                        status: status.clone(),
-                        dedupe_reason: result
-                            .pointer("/dedupe/reason")
-                            .and_then(Value::as_str)
-                            .map(str::to_owned),
-                        operation_id: operation_id.clone(),
-                    });
-                }
-                if let Some(op) = operation_id {
-                    let seq = result.get("seq").and_then(Value::as_i64).unwrap_or(0);
-                    let latest = seen.latest.entry(op).or_insert((seq, status.clone()));
-                    if seq >= latest.0 {
-                        *latest = (seq, status);
-                    }
-                }
-            }
-        }))
+        let mut client = ClientConfig::new();
+        client.set("bootstrap.servers", &self.target.bootstrap);
+        self.observed.spawn_reader(client, RESULTS, DLQ, cancel)
     }
 
     /// Publishes a proposal to `opgate.proposals`, keyed by its entity.
@@ -632,26 +558,26 @@ impl Fleet {
     }
 
     fn operation_of(&self, event_id: &str) -> anyhow::Result<String> {
-        let seen = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+        let seen = self.observed.lock();
         seen.answers
             .get(event_id)
             .and_then(|a| a.operation_id.clone())
             .with_context(|| format!("no operation answered event {event_id}"))
     }
 
-    /// The load run: a seeded mix of tools and entities, 20% redelivered events, 10%
-    /// rephrased duplicates, a few poison records, and probabilistic provider faults.
+    /// The load run: the eval's labelled workload ([`workload::generate`]: every tool,
+    /// redeliveries, re-spelled and re-planned duplicates, near-duplicates, poison) with
+    /// probabilistic provider faults, published without waiting for each ack.
     async fn load(&mut self, args: &DemoArgs) -> anyhow::Result<()> {
-        let mut rng = StdRng::seed_from_u64(args.seed);
         if args.faults > 0.0 {
             // Each fault kind fires with an equal share; together they hit about
             // `faults` of the calls.
             let share = (args.faults / FaultKind::ALL.len() as f64).clamp(0.0, 1.0);
-            for provider in ["payments", "emails", "orders", "tickets"] {
+            for provider in opgate_sim::PROVIDERS {
                 for fault in FaultKind::ALL {
                     self.target.sim.add_fault(FaultSpec {
                         provider: provider.into(),
-                        match_prefix: Some("load/".into()),
+                        match_prefix: Some(format!("{}/", workload::NAMESPACE)),
                         fault,
                         times: None,
                         probability: Some(share),
@@ -659,35 +585,37 @@ impl Fleet {
                 }
             }
         }
-        let entities = (args.ops / 3).max(1);
-        let mut history: Vec<Value> = Vec::new();
+        let load = workload::generate(args.ops, args.seed);
         let progress = Progress::new();
-        for i in 0..args.ops {
-            let roll: f64 = rng.random();
-            let proposal = if roll < 0.2 && !history.is_empty() {
-                // A redelivery: the same event again.
-                history[rng.random_range(0..history.len())].clone()
-            } else if roll < 0.3 && !history.is_empty() {
-                // The same intent, rephrased by the model, under a new event id.
-                let mut p = history[rng.random_range(0..history.len())].clone();
-                p["event_id"] = json!(format!("load-{i}"));
-                rephrase(&mut p["args"]);
-                p
-            } else if roll < 0.305 {
-                self.send_poison(format!("not json #{i}").as_bytes())
-                    .await?;
-                continue;
+        let mut pending = Vec::with_capacity(load.records.len());
+        for (i, record) in load.records.iter().enumerate() {
+            let delivery = self
+                .producer
+                .send_result(
+                    FutureRecord::to(PROPOSALS)
+                        .key(&record.key)
+                        .payload(&record.value),
+                )
+                .map_err(|(e, _)| anyhow::anyhow!("publishing a proposal: {e}"))?;
+            pending.push(delivery);
+            if record.kind == Kind::Poison {
+                self.poison += 1;
             } else {
-                let p = load_proposal(i, rng.random_range(0..entities), &mut rng);
-                history.push(p.clone());
-                p
-            };
-            self.send(&proposal).await?;
-            if i % 50 == 0 {
-                progress.line(&format!("load: published {}/{}", i + 1, args.ops));
+                self.sends += 1;
+            }
+            if let Some(event) = &record.event_id {
+                self.sent.insert(event.clone());
+            }
+            if i % 500 == 0 {
+                progress.line(&format!("load: published {}/{}", i + 1, load.records.len()));
             }
         }
-        self.producer.flush(Duration::from_secs(10))?;
+        for delivery in pending {
+            delivery
+                .await
+                .context("the producer stopped")?
+                .map_err(|(e, _)| anyhow::anyhow!("publishing a proposal: {e}"))?;
+        }
         progress.done();
         Ok(())
     }
@@ -699,13 +627,13 @@ impl Fleet {
         let progress = Progress::new();
         loop {
             let (answered, settled, operations, messages, dlq) = {
-                let seen = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+                let seen = self.observed.lock();
                 let answered = self
                     .sent
                     .iter()
                     .filter(|e| seen.answers.contains_key(*e))
                     .count();
-                let settled = seen.latest.values().filter(|(_, s)| is_settled(s)).count();
+                let settled = seen.latest.len() - seen.unsettled();
                 let dlq: u64 = seen.dlq.values().sum();
                 (answered, settled, seen.latest.len(), seen.messages, dlq)
             };
@@ -730,7 +658,7 @@ impl Fleet {
     }
 
     fn report(&self) -> Report {
-        let seen = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+        let seen = self.observed.lock();
         let mut effects = HashMap::new();
         for e in self.target.sim.effects().effects {
             *effects.entry(e.key).or_default() += e.count;
@@ -743,7 +671,7 @@ impl Fleet {
                     operation_of_event.insert(event.clone(), op.clone());
                     seen.latest
                         .get(op)
-                        .map_or(answer.status.clone(), |(_, s)| s.clone())
+                        .map_or(answer.status.clone(), |l| l.status.clone())
                 }
                 None => answer.status.clone(),
             };
@@ -765,7 +693,7 @@ impl Fleet {
             ..Summary::default()
         };
         {
-            let seen = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+            let seen = self.observed.lock();
             for event in &self.sent {
                 let Some(answer) = seen.answers.get(event) else {
                     continue;
@@ -779,11 +707,7 @@ impl Fleet {
                     _ => s.accepted += 1,
                 }
             }
-            s.unsettled = seen
-                .latest
-                .values()
-                .filter(|(_, st)| !is_settled(st))
-                .count() as u64;
+            s.unsettled = seen.unsettled() as u64;
             s.dlq = seen.dlq.clone();
         }
         // A redelivered event gets no new answer (it was answered once), so this count is
@@ -797,7 +721,7 @@ impl Fleet {
                 .insert("inbox (redelivered event)".into(), inbox_hits);
         }
         // The ledger's view: every operation's history.
-        for namespace in ["demo", "load"] {
+        for namespace in ["demo", workload::NAMESPACE] {
             let mut cursor = None;
             loop {
                 let page = self
@@ -851,10 +775,6 @@ impl Fleet {
     }
 }
 
-fn is_settled(status: &str) -> bool {
-    Status::parse(status).is_some_and(|s| s.is_terminal() || s == Status::NeedsAttention)
-}
-
 fn expect_effects(r: &Report, prefix: &str, want: u64) -> Option<String> {
     let got = r.effects_with_prefix(prefix);
     (got != want).then(|| format!("{got} effects for {prefix}*, expected {want}"))
@@ -863,117 +783,6 @@ fn expect_effects(r: &Report, prefix: &str, want: u64) -> Option<String> {
 fn expect_status(r: &Report, event: &str, want: &str) -> Option<String> {
     let got = r.status(event);
     (got != want).then(|| format!("{event} ended {got}, expected {want}"))
-}
-
-const TEMPLATES: [&str; 3] = ["welcome", "receipt", "reminder"];
-
-/// A fresh load proposal for entity number `n`.
-fn load_proposal(i: usize, n: usize, rng: &mut StdRng) -> Value {
-    let event = format!("load-{i}");
-    match rng.random_range(0..4) {
-        0 => proposal(
-            &event,
-            "load",
-            "load-bot",
-            "capture_payment",
-            ("order", &format!("order_{n}")),
-            json!({"amount": format!("{}.{:02}", rng.random_range(1..500), rng.random_range(0..100)), "currency": "usd"}),
-        ),
-        1 => {
-            let mut p = proposal(
-                &event,
-                "load",
-                "load-bot",
-                "send_email",
-                ("user", &format!("user_{n}")),
-                json!({"to": format!("user{n}@example.com"), "template": TEMPLATES[rng.random_range(0..3)]}),
-            );
-            p["workflow_id"] = json!(format!("wf-load-{i}"));
-            p["step"] = json!(1);
-            p
-        }
-        2 => proposal(
-            &event,
-            "load",
-            "load-bot",
-            "place_order",
-            ("cart", &format!("cart_{n}")),
-            json!({"sku": format!("sku-{}", rng.random_range(1..20)), "quantity": rng.random_range(1..4), "client_order_id": format!("ord-{i}")}),
-        ),
-        _ => {
-            let mut p = proposal(
-                &event,
-                "load",
-                "load-bot",
-                "create_ticket",
-                ("customer", &format!("cust_{n}")),
-                json!({"subject": format!("case {i}")}),
-            );
-            p["workflow_id"] = json!(format!("wf-load-{n}"));
-            p["step"] = json!(i);
-            p
-        }
-    }
-}
-
-/// Spells the same arguments differently, as a model does on a retry.
-fn rephrase(args: &mut Value) {
-    if let Some(currency) = args.get("currency").and_then(Value::as_str) {
-        args["currency"] = json!(format!(" {} ", currency.to_uppercase()));
-    }
-    if let Some(template) = args.get("template").and_then(Value::as_str) {
-        args["template"] = json!(template.to_uppercase());
-    }
-    if let Some(to) = args.get("to").and_then(Value::as_str) {
-        args["to"] = json!(format!("  {}", to.to_uppercase()));
-    }
-    if let Some(sku) = args.get("sku").and_then(Value::as_str) {
-        args["sku"] = json!(sku.to_uppercase());
-    }
-    if args.get("client_order_id").is_some() {
-        args["client_order_id"] = json!(format!("ord-replanned-{}", uuid::Uuid::now_v7()));
-    }
-}
-
-/// A refreshing status line on a terminal, a plain line every two seconds otherwise.
-struct Progress {
-    tty: bool,
-    last: Mutex<Option<Instant>>,
-}
-
-impl Progress {
-    fn new() -> Self {
-        Self {
-            tty: std::io::stdout().is_terminal(),
-            last: Mutex::new(None),
-        }
-    }
-
-    fn line(&self, text: &str) {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        let every = if self.tty {
-            Duration::ZERO
-        } else {
-            Duration::from_secs(2)
-        };
-        if last.is_some_and(|t| t.elapsed() < every) {
-            return;
-        }
-        *last = Some(Instant::now());
-        let mut out = std::io::stdout().lock();
-        if self.tty {
-            let _ = write!(out, "\r\x1b[2K{text}");
-        } else {
-            let _ = writeln!(out, "{text}");
-        }
-        let _ = out.flush();
-    }
-
-    fn done(&self) {
-        if self.tty {
-            println!();
-        }
-    }
 }
 
 impl std::fmt::Display for Summary {

@@ -1,0 +1,83 @@
+//! Kafka client helpers for the benchmarks: publish records, then wait until every
+//! operation's final result is on `opgate.results`.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use opgate_kafka::KafkaConfig;
+use opgate_kafka::config::{PROPOSALS, RESULTS};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::Message as _;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// Publishes (key, value) records to the proposals topic and waits for every ack.
+pub async fn publish(config: &KafkaConfig, records: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
+    let producer: FutureProducer = config.client_config()?.create()?;
+    let topic = config.topic(PROPOSALS);
+    let mut pending = Vec::with_capacity(records.len());
+    for (key, value) in records {
+        pending.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(key).payload(value))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for p in pending {
+        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
+    }
+    Ok(())
+}
+
+/// Reads `opgate.results` from the beginning (blocking; run it on a blocking thread)
+/// until `expected` distinct operations have a final result; returns when the first and
+/// the last of those arrived.
+pub fn wait_for_final_results(
+    config: &KafkaConfig,
+    expected: usize,
+    timeout: Duration,
+) -> anyhow::Result<(Instant, Instant)> {
+    let results = config.topic(RESULTS);
+    let mut client = config.client_config()?;
+    client
+        .set(
+            "group.id",
+            format!("bench-reader-{:x}", rand::random::<u64>()),
+        )
+        .set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = client.create()?;
+    let metadata = consumer.fetch_metadata(Some(&results), Duration::from_secs(10))?;
+    let partitions = metadata.topics()[0].partitions().len() as i32;
+    let mut list = TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition_offset(&results, p, Offset::Beginning)?;
+    }
+    consumer.assign(&list)?;
+    let mut settled = HashSet::new();
+    let mut first = None;
+    let deadline = Instant::now() + timeout;
+    while settled.len() < expected {
+        if Instant::now() > deadline {
+            bail!(
+                "only {} of {expected} operations settled in {} s",
+                settled.len(),
+                timeout.as_secs()
+            );
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = m?;
+        let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap_or_default())?;
+        let terminal = matches!(
+            v["status"].as_str(),
+            Some("completed_success" | "completed_noop" | "failed_permanent" | "needs_attention")
+        );
+        if let (true, Some(id)) = (terminal, v["operation_id"].as_str()) {
+            first.get_or_insert_with(Instant::now);
+            settled.insert(id.to_owned());
+        }
+    }
+    Ok((first.unwrap_or_else(Instant::now), Instant::now()))
+}
