@@ -151,7 +151,7 @@ pub struct Kpis {
     pub latency_p50_ms: f64,
     /// Its p99, ms.
     pub latency_p99_ms: f64,
-    /// First record published -> last answer, s.
+    /// First record published -> last result on the results topic, s.
     pub elapsed_s: f64,
     /// Records handled per second over `elapsed_s`.
     pub records_per_s: f64,
@@ -343,13 +343,8 @@ pub async fn run(setup: EvalSetup, args: EvalArgs) -> anyhow::Result<EvalReport>
     let published_at = published_at?;
     let (chaos_log, crashes) = chaos?;
     wait_for_answers(&observer, &workload, expected_dlq, deadline, "opgate").await;
-    let last_answer = observer
-        .lock()
-        .answers
-        .values()
-        .map(|a| a.seen_at)
-        .max()
-        .unwrap_or_else(Instant::now);
+    // Until the last result: every answer and every operation's final state.
+    let last_answer = observer.lock().last_result_at.unwrap_or_else(Instant::now);
     let elapsed = last_answer.saturating_duration_since(started);
     let crashes = crashes
         + workers

@@ -51,6 +51,8 @@ pub struct Observed {
     pub dlq: BTreeMap<String, u64>,
     /// DLQ records by the event id they carried (when readable).
     pub dlq_events: HashMap<String, String>,
+    /// When the last result message arrived.
+    pub last_result_at: Option<Instant>,
 }
 
 impl Observed {
@@ -127,6 +129,7 @@ impl Observer {
 impl Observed {
     fn record(&mut self, result: &Value) {
         self.messages += 1;
+        self.last_result_at = Some(Instant::now());
         let text = |p: &str| result.pointer(p).and_then(Value::as_str).map(str::to_owned);
         let status = text("/status").unwrap_or_default();
         let operation_id = text("/operation_id");

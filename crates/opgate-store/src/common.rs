@@ -45,6 +45,52 @@ pub(crate) fn parse_cursor(filter: &ListFilter) -> Result<Option<Uuid>> {
         .transpose()
 }
 
+/// A value the operations list binds: text, or the cursor (an operation id).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ListBind {
+    Text(String),
+    Cursor(Uuid),
+}
+
+/// The operations list's statement with only the filters given (each one can then use
+/// its index; `$1 IS NULL OR status = $1` would hide them from a prepared statement's
+/// generic plan), newest first, one row more than the page. The binds follow in order;
+/// the last placeholder is the row limit.
+pub(crate) fn list_sql(filter: &ListFilter, cursor: Option<Uuid>) -> (String, Vec<ListBind>) {
+    let mut clauses = Vec::new();
+    let mut binds = Vec::new();
+    let texts = [
+        ("status", filter.status.map(|s| s.as_str().to_owned())),
+        ("tool", filter.tool.clone()),
+        // The same expression as the index operations_by_entity.
+        ("(entity_type || ':' || entity_id)", filter.entity.clone()),
+        ("namespace", filter.namespace.clone()),
+        ("idempotency_key", filter.idempotency_key.clone()),
+    ];
+    for (column, value) in texts {
+        if let Some(value) = value {
+            binds.push(ListBind::Text(value));
+            clauses.push(format!("{column} = ${}", binds.len()));
+        }
+    }
+    if let Some(cursor) = cursor {
+        binds.push(ListBind::Cursor(cursor));
+        clauses.push(format!("operation_id < ${}", binds.len()));
+    }
+    let filter = if clauses.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {} ", clauses.join(" AND "))
+    };
+    (
+        format!(
+            "SELECT {{columns}} FROM operations {filter}ORDER BY operation_id DESC LIMIT ${}",
+            binds.len() + 1
+        ),
+        binds,
+    )
+}
+
 /// Cuts one extra row off a page and turns it into the next cursor.
 pub(crate) fn paginate(mut operations: Vec<Operation>, limit: usize) -> Page {
     let next_cursor = if operations.len() > limit {
@@ -67,8 +113,8 @@ pub(crate) fn live_sql() -> String {
         "SELECT tool, side_effect_class, status, COUNT(*) AS n, \
          MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) \
              ELSE updated_at END) AS oldest \
-         FROM operations WHERE status NOT IN ({}) GROUP BY 1, 2, 3",
-        *crate::types::TERMINAL_SQL
+         FROM operations WHERE status IN ({}) GROUP BY 1, 2, 3",
+        *crate::types::LIVE_SQL
     )
 }
 

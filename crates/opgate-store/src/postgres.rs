@@ -12,8 +12,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::common::{
-    QUEUE_DEPTH_SQL, corrupt, in_order_prefix, live_sql, millis, page_size, paginate, parse_cursor,
-    source_columns,
+    ListBind, QUEUE_DEPTH_SQL, corrupt, in_order_prefix, list_sql, live_sql, millis, page_size,
+    paginate, parse_cursor, source_columns,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -902,23 +902,16 @@ impl Ledger for PgLedger {
     async fn list(&self, filter: &ListFilter) -> Result<Page> {
         let limit = page_size(filter);
         let cursor = parse_cursor(filter)?;
-        let rows = sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations \
-             WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR tool = $2) \
-               AND ($3::text IS NULL OR entity_type || ':' || entity_id = $3) \
-               AND ($4::text IS NULL OR namespace = $4) AND ($5::text IS NULL OR idempotency_key = $5) \
-               AND ($6::uuid IS NULL OR operation_id < $6) \
-             ORDER BY operation_id DESC LIMIT $7"
-        ))
-        .bind(filter.status.map(Status::as_str))
-        .bind(&filter.tool)
-        .bind(&filter.entity)
-        .bind(&filter.namespace)
-        .bind(&filter.idempotency_key)
-        .bind(cursor)
-        .bind(limit as i64 + 1)
-        .fetch_all(&self.pool)
-        .await?;
+        let (sql, binds) = list_sql(filter, cursor);
+        let sql = sql.replace("{columns}", OP_COLUMNS);
+        let mut q = sqlx::query(&sql);
+        for bind in binds {
+            q = match bind {
+                ListBind::Text(t) => q.bind(t),
+                ListBind::Cursor(c) => q.bind(c),
+            };
+        }
+        let rows = q.bind(limit as i64 + 1).fetch_all(&self.pool).await?;
         let operations = rows.iter().map(op_from_row).collect::<Result<Vec<_>>>()?;
         Ok(paginate(operations, limit))
     }

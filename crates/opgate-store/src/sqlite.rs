@@ -20,8 +20,8 @@ use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
 use crate::common::{
-    QUEUE_DEPTH_SQL, corrupt, in_order_prefix, live_sql, millis, page_size, paginate, parse_cursor,
-    source_columns,
+    ListBind, QUEUE_DEPTH_SQL, corrupt, in_order_prefix, list_sql, live_sql, millis, page_size,
+    paginate, parse_cursor, source_columns,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -786,23 +786,16 @@ impl Ledger for SqliteLedger {
     async fn list(&self, filter: &ListFilter) -> Result<Page> {
         let limit = page_size(filter);
         let cursor = parse_cursor(filter)?;
-        let rows = sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations \
-             WHERE ($1 IS NULL OR status = $1) AND ($2 IS NULL OR tool = $2) \
-               AND ($3 IS NULL OR entity_type || ':' || entity_id = $3) \
-               AND ($4 IS NULL OR namespace = $4) AND ($5 IS NULL OR idempotency_key = $5) \
-               AND ($6 IS NULL OR operation_id < $6) \
-             ORDER BY operation_id DESC LIMIT $7"
-        ))
-        .bind(filter.status.map(Status::as_str))
-        .bind(&filter.tool)
-        .bind(&filter.entity)
-        .bind(&filter.namespace)
-        .bind(&filter.idempotency_key)
-        .bind(cursor.map(|c| c.to_string()))
-        .bind(limit as i64 + 1)
-        .fetch_all(&self.reader)
-        .await?;
+        let (sql, binds) = list_sql(filter, cursor);
+        let sql = sql.replace("{columns}", OP_COLUMNS);
+        let mut q = sqlx::query(&sql);
+        for bind in binds {
+            q = match bind {
+                ListBind::Text(t) => q.bind(t),
+                ListBind::Cursor(c) => q.bind(c.to_string()),
+            };
+        }
+        let rows = q.bind(limit as i64 + 1).fetch_all(&self.reader).await?;
         let operations = rows.iter().map(op_from_row).collect::<Result<Vec<_>>>()?;
         Ok(paginate(operations, limit))
     }

@@ -298,9 +298,10 @@ pub struct LiveCount {
     pub oldest_change: OffsetDateTime,
 }
 
-/// The terminal states as an SQL list (live operations are the others).
-pub(crate) static TERMINAL_SQL: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| Status::sql_list(Status::is_terminal));
+/// The live (not terminal) states as an SQL list: `status IN (...)` reads the status
+/// index, where `NOT IN (terminal)` would scan every settled operation.
+pub(crate) static LIVE_SQL: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| Status::sql_list(|s| !s.is_terminal()));
 
 /// A page of operations.
 #[derive(Debug, Clone, PartialEq)]

@@ -63,6 +63,7 @@ conformance!(
     recording_keeps_attempt_and_result_details,
     dedupe_window_suppresses_the_same_action_across_keys,
     exclusive_group_lets_one_tool_act_per_window,
+    an_exclusive_group_holds_with_a_key_duplicate_between_its_members,
     compensation_holds_the_original_until_it_settles,
     a_failed_compensation_leaves_the_effect_standing_and_can_be_retried,
     stats_show_live_operations_queue_depth_and_relay_backlog,
@@ -1445,6 +1446,47 @@ async fn stats_show_live_operations_queue_depth_and_relay_backlog(h: Harness) {
     assert_eq!(stats.live[0].status, "pending_dispatch");
     assert_eq!(stats.relay_pending, 0);
     assert_eq!(stats.relay_oldest, None);
+}
+
+/// Found by `opgate eval` at saturation: in one batch, a credit on an account, a refund
+/// the credit suppresses, then the same refund under another event id (same key). The
+/// second refund must face the group too: it once saw the first refund's key "taken" by
+/// an earlier proposal of the batch, skipped the guards, and acted.
+async fn an_exclusive_group_holds_with_a_key_duplicate_between_its_members(h: Harness) {
+    let l = h.ledger.as_ref();
+    let make_good =
+        |event: &str, tool: &str| item(event, tool, ("account", "a9"), json!({"amount": "68.00"}));
+    let out = l
+        .ingest(&[
+            make_good("x1", "credit_acct"),
+            make_good("x2", "refund_acct"),
+            make_good("x1", "credit_acct"),
+            make_good("x3", "refund_acct"),
+            make_good("x4", "credit_acct"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(dedupe_reason(&out[1]), Some("exclusive_group"));
+    assert_eq!(
+        dedupe_reason(&out[3]),
+        Some("exclusive_group"),
+        "{:?}",
+        out[3]
+    );
+    assert_eq!(dedupe_reason(&out[4]), Some("key"));
+    let credit = out[0].operation.as_ref().map(|o| o.operation_id);
+    for o in [&out[1], &out[3], &out[4]] {
+        assert_eq!(o.operation.as_ref().map(|o| o.operation_id), credit);
+    }
+    let page = l
+        .list(&ListFilter {
+            entity: Some("account:a9".into()),
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(page.operations.len(), 1, "{:?}", page.operations);
 }
 
 async fn racing_members_of_an_exclusive_group_make_one_operation(h: Harness) {

@@ -56,9 +56,13 @@ pub(super) async fn guard_hits<T: Tx>(
     let mut known: HashMap<(String, String), bool> = HashMap::new();
     for (i, env) in guarded {
         let own = (env.key.namespace.clone(), env.key.key.clone());
+        // An earlier proposal of this batch with the same key decides for this one only
+        // if it becomes the operation: one a guard suppressed makes none, so this one
+        // faces the same guards (found by `opgate eval`: a refund suppressed by the
+        // account's credit, then the same refund under another event id, acted).
         let earlier_same_key = batch[..i].iter().enumerate().any(|(j, other)| {
             matches!(other, IngestItem::Accepted(o)
-                if fresh[j] && o.key.namespace == own.0 && o.key.key == own.1)
+                if fresh[j] && hits[j].is_none() && o.key.namespace == own.0 && o.key.key == own.1)
         });
         if earlier_same_key || exists(tx, &mut known, &own).await? {
             continue;

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# P4 of issue 10: the ledger's read paths with N operations already in it. Fills a fresh
+# PostgreSQL database with N settled operations (1% still live, spread over 8 tools and
+# N/10 entities in 10 namespaces), N finished dispatch-queue rows and N published
+# results, then prints EXPLAIN ANALYZE of the statements the operations list, /metrics
+# stats and the dispatcher's claim run.
+#
+#   scripts/p4-explain.sh postgres://postgres@127.0.0.1:5432 1000000 [path/to/opgate]
+set -euo pipefail
+server="${1:?postgres://user@host:port}"
+n="${2:-1000000}"
+opgate="${3:-target/release/opgate}"
+db=opgate_p4
+psql -q "$server/postgres" -c "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db"
+url="$server/$db"
+"$opgate" migrate --database-url "$url" >/dev/null
+started=$(date +%s)
+psql -q "$url" <<SQL
+SET synchronous_commit = off;  -- loading only; the measured statements run as usual
+INSERT INTO operations (operation_id, namespace, idempotency_key, key_components,
+  args_fingerprint, event_id, tool, entity_type, entity_id, entity_key, canonical_args,
+  side_effect_class, status, attempt_count, created_at, updated_at)
+SELECT gen_random_uuid(), 'ns' || (i % 10), 'key:' || i, '{}', 'fp' || i, 'ev-' || i,
+  'tool_' || (i % 8), 'order', e, 'ns' || (i % 10) || '/order:' || e,
+  '{}', 'irreversible',
+  CASE WHEN i % 100 = 0 THEN 'unknown_outcome' WHEN i % 100 = 1 THEN 'needs_attention'
+       WHEN i % 100 = 2 THEN 'failed_retryable' ELSE 'completed_success' END,
+  1, now() - (($n - i) || ' seconds')::interval, now()
+FROM generate_series(1, $n) AS i,
+  -- An operation that holds its entity (unknown, needs_attention) gets one of its own.
+  LATERAL (SELECT CASE WHEN i % 100 IN (0, 1) THEN 'live' || i ELSE 'o' || (i % ($n / 10)) END AS e) AS entity;
+INSERT INTO dispatch_queue (operation_id, entity_key, is_read, state, ready_at, finished_at)
+SELECT operation_id, entity_key, false, 'done', created_at, updated_at
+FROM operations WHERE status = 'completed_success';
+INSERT INTO dispatch_queue (operation_id, entity_key, is_read, state, ready_at, tool)
+SELECT operation_id, entity_key, false, 'waiting', now(), tool
+FROM operations WHERE status = 'failed_retryable';
+INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at, published_at)
+SELECT operation_id, 1, status, entity_key, '{}', created_at, updated_at FROM operations;
+ANALYZE;
+SQL
+echo "loaded $(psql -tAq "$url" -c 'SELECT COUNT(*) FROM operations') operations in $(( $(date +%s) - started )) s"
+if [ "${P4_BEFORE:-}" = 1 ]; then
+  # The plans before migration 0003: its indexes dropped.
+  psql -q "$url" -c "DROP INDEX operations_by_status, operations_by_tool, operations_by_entity, operations_by_namespace, operations_by_key, dispatch_queue_unfinished" -c ANALYZE
+  echo "(without the indexes of migration 0003)"
+fi
+explain() {
+  echo
+  echo "-- $1"
+  psql -q "$url" -c "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) $2" \
+    | grep -E "Scan|Index Cond|Filter|Execution Time|Sort|Limit|Aggregate" | sed 's/^ *//'
+}
+# The statements as the store runs them (crates/opgate-store: common.rs list_sql and
+# live_sql, postgres.rs claim), with literal values for their parameters.
+cursor=$(psql -tAq "$url" -c "SELECT operation_id FROM operations ORDER BY operation_id DESC OFFSET 5000 LIMIT 1")
+list="SELECT operation_id, status FROM operations"
+explain "ops list, newest first" "$list ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --status needs_attention" "$list WHERE status = 'needs_attention' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --status needs_attention, second page" "$list WHERE status = 'needs_attention' AND operation_id < '$cursor' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --tool tool_3" "$list WHERE tool = 'tool_3' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --entity order:o42" "$list WHERE (entity_type || ':' || entity_id) = 'order:o42' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --namespace ns3" "$list WHERE namespace = 'ns3' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --key key:4242" "$list WHERE idempotency_key = 'key:4242' ORDER BY operation_id DESC LIMIT 51"
+explain "ops list --status unknown_outcome --tool tool_0" "$list WHERE status = 'unknown_outcome' AND tool = 'tool_0' ORDER BY operation_id DESC LIMIT 51"
+live=$(psql -tAq "$url" -c "SELECT string_agg(quote_literal(s), ', ') FROM unnest(ARRAY['awaiting_approval','pending_dispatch','dispatched','acknowledged','failed_retryable','unknown_outcome','needs_attention','compensating']) s")
+explain "/metrics stats: live operations" "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) ELSE updated_at END) AS oldest FROM operations WHERE status IN ($live) GROUP BY 1, 2, 3"
+explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state"
+explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
+explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
