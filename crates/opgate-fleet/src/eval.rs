@@ -117,6 +117,8 @@ pub struct Kpis {
     pub duplicate_effects_per_10k: f64,
     /// Effects no intent explains (must be 0).
     pub unattributed_effects: u64,
+    /// The intents that acted more than once: `provider key xN` per effect key (at most 20).
+    pub duplicated: Vec<String>,
     /// Proposals (distinct event ids) published and never answered.
     pub lost: u64,
     /// Labelled near-duplicates merged with their original.
@@ -781,6 +783,23 @@ fn score_effects(
     kpis.effects = effects.total;
     kpis.intents_with_effect = per_intent.len() as u64;
     kpis.duplicate_effects = per_intent.values().map(|n| n.saturating_sub(1)).sum();
+    let twice: HashSet<usize> = per_intent
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(i, _)| *i)
+        .collect();
+    kpis.duplicated = effects
+        .effects
+        .iter()
+        .filter(|e| intent_of_key.get(&e.key).is_some_and(|i| twice.contains(i)))
+        .map(|e| {
+            format!(
+                "intent {}: {} {} x{}",
+                intent_of_key[&e.key], e.provider, e.key, e.count
+            )
+        })
+        .take(20)
+        .collect();
     kpis.overlapping_writes = effects.overlaps;
     let mut latencies: Vec<f64> = first_effect
         .iter()
@@ -1184,6 +1203,11 @@ impl std::fmt::Display for EvalReport {
                 o.latency_p50_ms / b.latency_p50_ms.max(1e-9),
                 o.latency_p99_ms / b.latency_p99_ms.max(1e-9),
             )?;
+        }
+        for (system, k) in std::iter::once(o).chain(b).map(|k| (&k.system, k)) {
+            if !k.duplicated.is_empty() {
+                writeln!(f, "\nDuplicated by {system}: {}.", k.duplicated.join("; "))?;
+            }
         }
         if !self.dlq.is_empty() {
             let dlq: Vec<String> = self.dlq.iter().map(|(k, v)| format!("{k} {v}")).collect();
