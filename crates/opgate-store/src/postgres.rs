@@ -177,6 +177,18 @@ fn op_from_row(row: &PgRow) -> Result<Operation> {
 /// Rows per multi-row statement: PostgreSQL allows 65535 parameters, an operation has 34.
 const CHUNK: usize = 1000;
 
+/// A queued row `q` may be claimed: nothing in flight or held on its entity, nothing
+/// waiting ahead of it. A compensation passes the operation it undoes (which holds the
+/// entity in `compensating`) and the waiting operations queued behind that one: they wait
+/// for the original, which waits for its compensation.
+const HEAD_OF_LINE: &str = "(q.is_read OR NOT EXISTS ( \
+    SELECT 1 FROM dispatch_queue p \
+    WHERE p.entity_key = q.entity_key AND NOT p.is_read \
+      AND p.operation_id <> q.operation_id \
+      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
+      AND (p.state IN ('inflight', 'held') \
+           OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL))))";
+
 impl Tx for PgTx {
     async fn now(&mut self) -> Result<OffsetDateTime> {
         // clock_timestamp(), not now(): now() is the transaction's start, and time spent
@@ -658,33 +670,39 @@ impl Tx for PgTx {
         Ok(())
     }
 
-    // Head of line per entity: nothing in flight or held on the entity, nothing waiting
-    // ahead. A compensation passes the operation it undoes (which holds the entity in
-    // `compensating`) and the waiting operations queued behind that one: they wait for
-    // the original, which waits for its compensation.
+    // Head of line per entity ([`HEAD_OF_LINE`]), oldest first. The plan must walk the
+    // ready index in order and stop at `limit` heads: statistics go stale in a burst
+    // (the queue grows from nothing to tens of thousands of rows between two autoanalyze
+    // runs), and with them the planner bitmap-scanned every waiting row, ran the
+    // head-of-line check on each and sorted: 243 ms per claim at 35,000 waiting rows, most
+    // of the dispatcher's time. Sorting is switched off for this one statement
+    // (`SET LOCAL`, restored after it), which leaves the ordered index scan that stops at
+    // the limit: 0.4 ms for the same claim. (Switching bitmap scans off too would turn
+    // the head-of-line probe into a sequential scan.)
     async fn pick_claimable(
         &mut self,
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
     ) -> Result<Vec<(Uuid, String)>> {
-        Ok(sqlx::query_as(
+        sqlx::query("SET LOCAL enable_sort = off")
+            .execute(&mut *self.0)
+            .await?;
+        let found = sqlx::query_as(&format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
-               AND (q.is_read OR NOT EXISTS ( \
-                   SELECT 1 FROM dispatch_queue p \
-                   WHERE p.entity_key = q.entity_key AND NOT p.is_read \
-                     AND p.operation_id <> q.operation_id \
-                     AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
-                     AND (p.state IN ('inflight', 'held') \
-                          OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) \
-             ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED",
-        )
+               AND {HEAD_OF_LINE} \
+             ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED"
+        ))
         .bind(now)
         .bind(limit as i64)
         .bind(skip_tools)
         .fetch_all(&mut *self.0)
-        .await?)
+        .await?;
+        sqlx::query("SET LOCAL enable_sort = on")
+            .execute(&mut *self.0)
+            .await?;
+        Ok(found)
     }
 
     async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {

@@ -62,7 +62,7 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
 
     let (_url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "ingest").await?;
 
-    let (records, events, keys) = workload(opts.proposals, 42);
+    let (records, events, keys) = workload(opts.proposals, 42, 10);
     opgate_fleet::client::publish(&config, &records).await?;
 
     let registry = Arc::new(Registry::from_toml(TOOLS)?);
@@ -167,12 +167,17 @@ pub(crate) async fn empty_ledger(
     Ok((url, backend, ledger))
 }
 
-/// (records as (key, value)), distinct events, distinct keys.
-pub(crate) fn workload(n: usize, seed: u64) -> (Vec<(String, Vec<u8>)>, usize, usize) {
+/// (records as (key, value)), distinct events, distinct keys; `per_entity` operations
+/// share each order (their dispatches are serialized).
+pub(crate) fn workload(
+    n: usize,
+    seed: u64,
+    per_entity: usize,
+) -> (Vec<(String, Vec<u8>)>, usize, usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let events = n * 8 / 10;
     let keys = events * 7 / 8;
-    let entities = (keys / 10).max(1);
+    let entities = (keys / per_entity.max(1)).max(1);
     let make = |event: String, k: usize, spelled: bool| {
         let order = format!("o{}", k % entities);
         let amount = if spelled {

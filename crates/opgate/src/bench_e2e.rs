@@ -48,6 +48,10 @@ pub struct E2eBench {
     /// Partitions of the proposals topic.
     #[arg(long, default_value_t = 8)]
     pub partitions: i32,
+    /// Operations per order: one order's dispatches are serialized, so this is the
+    /// length of each entity's chain.
+    #[arg(long, default_value_t = 10)]
+    pub ops_per_entity: usize,
     /// Ledger URL (default: a fresh SQLite file in the temp dir). Must be empty.
     #[arg(long)]
     pub database_url: Option<String>,
@@ -91,7 +95,7 @@ async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
 /// Runs the end-to-end benchmark.
 pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let records_n = opts.operations * 10 / 7;
-    let (records, _events, keys) = workload(records_n, 42);
+    let (records, _events, keys) = workload(records_n, 42, opts.ops_per_entity);
 
     let sim = opgate_sim::Sim::new(opgate_sim::SimConfig::default());
     let (sim_addr, _sim_server) = opgate_sim::start("127.0.0.1:0".parse()?, sim.clone()).await?;
@@ -118,7 +122,8 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     config.worker.concurrency = opts.concurrency;
     config.worker.batch = opts.batch;
     let settings = format!(
-        "record_batch {}, per_tool {}, concurrency {}, batch {}",
+        "{} ops per order, record_batch {}, per_tool {}, concurrency {}, batch {}",
+        opts.ops_per_entity,
         opts.record_batch.map_or("128".into(), |n| n.to_string()),
         opts.per_tool.map_or("16".into(), |n| n.to_string()),
         opts.concurrency.map_or("64".into(), |n| n.to_string()),
