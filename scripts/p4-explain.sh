@@ -6,6 +6,8 @@
 # stats and the dispatcher's claim run.
 #
 #   scripts/p4-explain.sh postgres://postgres@127.0.0.1:5432 1000000 [path/to/opgate]
+#   P4_BEFORE=1 ...   drop the operations indexes of migration 0003 first (the plans before it)
+#   P4_SETTLE=1 ...   afterwards settle every operation, leaving history for bench e2e
 set -euo pipefail
 server="${1:?postgres://user@host:port}"
 n="${2:-1000000}"
@@ -42,7 +44,7 @@ SQL
 echo "loaded $(psql -tAq "$url" -c 'SELECT COUNT(*) FROM operations') operations in $(( $(date +%s) - started )) s"
 if [ "${P4_BEFORE:-}" = 1 ]; then
   # The plans before migration 0003: its indexes dropped.
-  psql -q "$url" -c "DROP INDEX operations_by_status, operations_by_tool, operations_by_entity, operations_by_namespace, operations_by_key, dispatch_queue_unfinished" -c ANALYZE
+  psql -q "$url" -c "DROP INDEX operations_by_status, operations_by_tool, operations_by_entity, operations_by_namespace, operations_by_key" -c ANALYZE
   echo "(without the indexes of migration 0003)"
 fi
 explain() {
@@ -68,3 +70,11 @@ explain "/metrics stats: live operations" "SELECT tool, side_effect_class, statu
 explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state"
 explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
 explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
+
+if [ "${P4_SETTLE:-}" = 1 ]; then
+  # Leave pure history for `opgate bench e2e --database-url $url` (its own operations
+  # then run beside a million settled ones): every live operation settled, the queue done.
+  psql -q "$url" -c "UPDATE operations SET status = 'completed_success', next_attempt_at = NULL WHERE status <> 'completed_success'" \
+    -c "UPDATE dispatch_queue SET state = 'done', finished_at = now() WHERE state <> 'done'" -c ANALYZE
+  echo "settled every operation (P4_SETTLE=1)"
+fi

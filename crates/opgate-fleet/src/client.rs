@@ -30,11 +30,38 @@ pub async fn publish(config: &KafkaConfig, records: &[(String, Vec<u8>)]) -> any
     Ok(())
 }
 
+/// Publishes (key, value) records to the proposals topic at `rate` records per second
+/// (catching up when behind), then waits for every ack.
+pub async fn publish_at_rate(
+    config: &KafkaConfig,
+    records: &[(String, Vec<u8>)],
+    rate: f64,
+) -> anyhow::Result<()> {
+    let producer: FutureProducer = config.client_config()?.create()?;
+    let topic = config.topic(PROPOSALS);
+    let started = tokio::time::Instant::now();
+    let mut pending = Vec::with_capacity(records.len());
+    for (i, (key, value)) in records.iter().enumerate() {
+        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate.max(1e-9)))
+            .await;
+        pending.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(key).payload(value))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for p in pending {
+        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
+    }
+    Ok(())
+}
+
 /// Reads `opgate.results` from the beginning (blocking; run it on a blocking thread)
-/// until `expected` distinct operations have a final result; returns when the first and
-/// the last of those arrived.
+/// until `expected` distinct operations of `namespace` have a final result; returns when
+/// the first and the last of those arrived.
 pub fn wait_for_final_results(
     config: &KafkaConfig,
+    namespace: &str,
     expected: usize,
     timeout: Duration,
 ) -> anyhow::Result<(Instant, Instant)> {
@@ -74,7 +101,8 @@ pub fn wait_for_final_results(
             v["status"].as_str(),
             Some("completed_success" | "completed_noop" | "failed_permanent" | "needs_attention")
         );
-        if let (true, Some(id)) = (terminal, v["operation_id"].as_str()) {
+        let mine = v["namespace"].as_str() == Some(namespace);
+        if let (true, true, Some(id)) = (terminal, mine, v["operation_id"].as_str()) {
             first.get_or_insert_with(Instant::now);
             settled.insert(id.to_owned());
         }

@@ -67,6 +67,10 @@ pub struct E2eBench {
     /// `[worker] batch`: operations claimed per round.
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Offer the records at this rate (records/s) while the roles run, instead of
+    /// publishing them all first.
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// Append the figures to this Markdown file.
     #[arg(long)]
     pub write: Option<PathBuf>,
@@ -92,6 +96,19 @@ async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
     })
 }
 
+/// Operations already in a PostgreSQL ledger (none counted on SQLite).
+async fn pg_history(url: &str) -> anyhow::Result<Option<i64>> {
+    if !url.starts_with("postgres") {
+        return Ok(None);
+    }
+    let pool = sqlx::PgPool::connect(url).await?;
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM operations")
+        .fetch_one(&pool)
+        .await?;
+    pool.close().await;
+    Ok(Some(n))
+}
+
 /// Runs the end-to-end benchmark.
 pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let records_n = opts.operations * 10 / 7;
@@ -112,7 +129,9 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     }
     let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
     let kafka = opgate_kafka::KafkaConfig::new(broker.bootstrap_servers());
-    opgate_fleet::client::publish(&kafka, &records).await?;
+    if opts.rate.is_none() {
+        opgate_fleet::client::publish(&kafka, &records).await?;
+    }
 
     let mut config = Config::parse(TOOLS).context("the benchmark's tools")?;
     config.kafka = Some(kafka.clone());
@@ -121,8 +140,15 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     config.worker.per_tool = opts.per_tool;
     config.worker.concurrency = opts.concurrency;
     config.worker.batch = opts.batch;
+    let history = match &pg_history(&url).await? {
+        Some(0) | None => String::new(),
+        Some(n) => format!(", {n} operations already in the ledger"),
+    };
+    let offered = opts
+        .rate
+        .map_or(String::new(), |r| format!(", offered {r:.0} records/s"));
     let settings = format!(
-        "{} ops per order, record_batch {}, per_tool {}, concurrency {}, batch {}",
+        "{} ops per order{offered}{history}, record_batch {}, per_tool {}, concurrency {}, batch {}",
         opts.ops_per_entity,
         opts.record_batch.map_or("128".into(), |n| n.to_string()),
         opts.per_tool.map_or("16".into(), |n| n.to_string()),
@@ -142,7 +168,12 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let reader = {
         let kafka = kafka.clone();
         tokio::task::spawn_blocking(move || {
-            opgate_fleet::client::wait_for_final_results(&kafka, keys, Duration::from_secs(1800))
+            opgate_fleet::client::wait_for_final_results(
+                &kafka,
+                "bench",
+                keys,
+                Duration::from_secs(1800),
+            )
         })
     };
 
@@ -152,6 +183,9 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         .map(str::to_owned)
         .collect();
     let running = roles::start(&config, &roles_list, env).await?;
+    if let Some(rate) = opts.rate {
+        opgate_fleet::client::publish_at_rate(&kafka, &records, rate).await?;
+    }
     let (first_result, last_result) = reader.await??;
     let elapsed = last_result - started;
     let joined = first_result - started;
@@ -168,6 +202,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     loop {
         let page = ledger
             .list(&opgate_store::ListFilter {
+                namespace: Some("bench".into()),
                 limit: Some(500),
                 cursor: cursor.clone(),
                 ..Default::default()
