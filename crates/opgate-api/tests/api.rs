@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opgate_api::{ApiState, Role, Token};
+use opgate_api::{AgentScope, ApiState, Role, Token};
 use opgate_core::{Event, Limits, Registry};
 use opgate_store::{ClaimRequest, Recording, SharedLedger};
 use reqwest::StatusCode;
@@ -21,6 +21,13 @@ key = "payment:{entity}:capture:{args.amount}:{args.currency}"
 [tools.args]
 amount = "money_minor"
 currency = "upper"
+[tools.args_schema]
+type = "object"
+required = ["amount"]
+[tools.args_schema.properties.amount]
+type = ["string", "number"]
+pattern = '^\s*0*([1-9][0-9]*(\.[0-9]+)?|0?\.[0-9]*[1-9][0-9]*)\s*$'
+exclusiveMinimum = 0
 
 [[tools]]
 name = "refund"
@@ -42,24 +49,33 @@ async fn api() -> Api {
 async fn api_with(configure: impl FnOnce(ApiState) -> ApiState) -> Api {
     let db = opgate_testkit::TestLedger::new().await;
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
+    let token = |name: &str, role, secret: &str, agent: Option<(&str, &str)>| {
+        let scope = agent.map(|(id, ns)| AgentScope {
+            agent_id: id.into(),
+            namespaces: vec![ns.into()],
+        });
+        Token::new(name, role, &[secret.into()], &[], scope).expect("token")
+    };
     let tokens = vec![
-        Token {
-            name: "vera".into(),
-            secret: "viewer-secret".into(),
-            role: Role::Viewer,
-        },
-        Token {
-            name: "otto".into(),
-            secret: "operator-secret".into(),
-            role: Role::Operator,
-        },
+        token("vera", Role::Viewer, VIEWER_SECRET, None),
+        token("otto", Role::Operator, OPERATOR_SECRET, None),
+        token("olga", Role::Operator, OPERATOR_TWO_SECRET, None),
+        token(
+            "bot-token",
+            Role::Agent,
+            AGENT_SECRET,
+            Some(("bot", "default")),
+        ),
+        token(
+            "rival-token",
+            Role::Agent,
+            RIVAL_SECRET,
+            Some(("rival", "default")),
+        ),
     ];
-    let state = configure(ApiState::new(
-        db.ledger.clone(),
-        registry,
-        Limits::default(),
-        tokens,
-    ));
+    let state = configure(
+        ApiState::new(db.ledger.clone(), registry, Limits::default(), tokens).expect("tokens"),
+    );
     let (addr, _server) = opgate_api::serve("127.0.0.1:0".parse().expect("addr"), state)
         .await
         .expect("serve");
@@ -100,13 +116,20 @@ impl Api {
     async fn propose(&self, event_id: &str, tool: &str, amount: Value) -> (StatusCode, Value) {
         let body = json!({"event_id": event_id, "tool": tool, "entity": {"type": "order", "id": "o1"},
             "args": {"amount": amount, "currency": "usd"}});
-        self.call("POST", "/v1/proposals", Some("operator-secret"), Some(body))
-            .await
+        self.call("POST", "/v1/proposals", AGENT, Some(body)).await
     }
 }
 
-const OPERATOR: Option<&str> = Some("operator-secret");
-const VIEWER: Option<&str> = Some("viewer-secret");
+const VIEWER_SECRET: &str = "viewer-secret-0123456789";
+const OPERATOR_SECRET: &str = "operator-secret-0123456789";
+const OPERATOR_TWO_SECRET: &str = "operator-two-secret-0123456789";
+const AGENT_SECRET: &str = "agent-secret-0123456789";
+const RIVAL_SECRET: &str = "rival-agent-secret-0123456789";
+const OPERATOR: Option<&str> = Some(OPERATOR_SECRET);
+const OPERATOR_TWO: Option<&str> = Some(OPERATOR_TWO_SECRET);
+const VIEWER: Option<&str> = Some(VIEWER_SECRET);
+const AGENT: Option<&str> = Some(AGENT_SECRET);
+const RIVAL: Option<&str> = Some(RIVAL_SECRET);
 
 #[tokio::test]
 async fn tokens_and_roles_are_enforced() {
@@ -174,7 +197,7 @@ async fn bad_proposals_are_400_with_the_field_at_fault() {
     let raw = a
         .http
         .post(format!("{}/v1/proposals", a.url))
-        .bearer_auth("operator-secret")
+        .bearer_auth(OPERATOR_SECRET)
         .body("{not json")
         .send()
         .await
@@ -231,7 +254,7 @@ async fn hostile_proposals_are_400_naming_the_field_and_leave_no_trace() {
     let post = |body: String| {
         a.http
             .post(format!("{}/v1/proposals", a.url))
-            .bearer_auth("operator-secret")
+            .bearer_auth(OPERATOR_SECRET)
             .header("content-type", "application/json")
             .body(body)
             .send()
@@ -303,7 +326,7 @@ async fn proposals_over_http_dedupe_like_kafka_and_can_be_inspected() {
     let traced: Value = a
         .http
         .post(format!("{}/v1/proposals", a.url))
-        .bearer_auth("operator-secret")
+        .bearer_auth(OPERATOR_SECRET)
         .header("traceparent", traceparent)
         .json(&json!({"event_id": "e9", "tool": "capture_payment",
             "entity": {"type": "order", "id": "o9"}, "args": {"amount": "1", "currency": "usd"}}))
@@ -534,4 +557,206 @@ async fn get_with_wait_long_polls_until_settled_or_timeout() {
         started.elapsed() < Duration::from_secs(5),
         "returned as soon as it settled"
     );
+}
+
+/// The message of an error answer.
+fn message(body: &Value) -> String {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn an_agent_token_proposes_as_its_agent_and_cannot_approve() {
+    let a = api().await;
+    // The proposal's agent_id comes from the token.
+    let (s, refund) = a.propose("r1", "refund", json!(5)).await;
+    assert_eq!(s, StatusCode::CREATED, "{refund}");
+    assert_eq!(refund["operation"]["agent_id"], "bot");
+    let id = refund["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let approve = format!("/v1/operations/{id}/approve");
+    let (s, body) = a.call("POST", &approve, AGENT, None).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(message(&body).contains("operator"), "{body}");
+    // Another agent neither sees it nor lists it; the owner does.
+    let (s, _) = a
+        .call("GET", &format!("/v1/operations/{id}"), RIVAL, None)
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "another agent's operation is not found"
+    );
+    let (s, _) = a
+        .call("GET", &format!("/v1/operations/{id}/events"), RIVAL, None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, page) = a.call("GET", "/v1/operations", RIVAL, None).await;
+    assert_eq!(page["operations"], json!([]), "{page}");
+    let (s, mine) = a.call("GET", "/v1/operations", AGENT, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(mine["operations"][0]["operation_id"], json!(id));
+    let (s, body) = a
+        .call("GET", "/v1/operations?agent_id=rival", AGENT, None)
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    let (s, _) = a
+        .call("GET", "/v1/operations?namespace=other", AGENT, None)
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert_eq!(
+        a.call("GET", "/metrics", AGENT, None).await.0,
+        StatusCode::FORBIDDEN
+    );
+    // An operator approves it.
+    let (s, body) = a.call("POST", &approve, OPERATOR, None).await;
+    assert_eq!(
+        (s, body["status"].clone()),
+        (StatusCode::OK, json!("pending_dispatch"))
+    );
+}
+
+#[tokio::test]
+async fn an_agent_cannot_speak_for_another_agent_or_namespace() {
+    let a = api().await;
+    let proposal = |patch: Value| {
+        let mut p = json!({"event_id": "s1", "tool": "capture_payment",
+            "entity": {"type": "order", "id": "o1"}, "args": {"amount": "5.00", "currency": "usd"}});
+        for (k, v) in patch.as_object().expect("object") {
+            p[k] = v.clone();
+        }
+        p
+    };
+    let (s, body) = a
+        .call(
+            "POST",
+            "/v1/proposals",
+            AGENT,
+            Some(proposal(json!({"agent_id": "rival"}))),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(message(&body).contains("`agent_id`"), "{body}");
+    assert!(
+        !message(&body).contains("rival"),
+        "a refusal names no other principal: {body}"
+    );
+    let (s, body) = a
+        .call(
+            "POST",
+            "/v1/proposals",
+            AGENT,
+            Some(proposal(json!({"namespace": "other"}))),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(message(&body).contains("`namespace`"), "{body}");
+    // Nothing was written by the refusals; its own agent_id in the body is fine.
+    assert_eq!(
+        a.ledger
+            .list(&Default::default())
+            .await
+            .expect("list")
+            .operations
+            .len(),
+        0
+    );
+    let (s, body) = a
+        .call(
+            "POST",
+            "/v1/proposals",
+            AGENT,
+            Some(proposal(json!({"agent_id": "bot"}))),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{body}");
+    // The same event again without agent_id in the body is a redelivery, not a conflict.
+    let (s, body) = a
+        .call("POST", "/v1/proposals", AGENT, Some(proposal(json!({}))))
+        .await;
+    assert_eq!(
+        (s, body["inbox_hit"].clone()),
+        (StatusCode::OK, json!(true)),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn an_operator_never_approves_its_own_proposal() {
+    let a = api().await;
+    let body = json!({"event_id": "own", "tool": "refund", "entity": {"type": "order", "id": "o9"},
+        "args": {"amount": 5}});
+    let (s, refund) = a.call("POST", "/v1/proposals", OPERATOR, Some(body)).await;
+    assert_eq!(s, StatusCode::CREATED, "{refund}");
+    let id = refund["operation"]["operation_id"].as_str().expect("id");
+    let approve = format!("/v1/operations/{id}/approve");
+    let (s, body) = a.call("POST", &approve, OPERATOR, None).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(message(&body).contains("another operator"), "{body}");
+    // The history records who proposed it; a second operator approves.
+    let (_, events) = a
+        .call("GET", &format!("/v1/operations/{id}/events"), VIEWER, None)
+        .await;
+    assert_eq!(events["events"][0]["actor"], "otto", "{events}");
+    let (s, body) = a.call("POST", &approve, OPERATOR_TWO, None).await;
+    assert_eq!(
+        (s, body["status"].clone()),
+        (StatusCode::OK, json!("pending_dispatch"))
+    );
+}
+
+#[tokio::test]
+async fn a_viewer_only_reads_and_the_bearer_scheme_is_case_insensitive() {
+    let a = api().await;
+    let (_, refund) = a.propose("v1", "refund", json!(5)).await;
+    let id = refund["operation"]["operation_id"].as_str().expect("id");
+    for action in ["approve", "reject", "cancel", "resolve", "compensate"] {
+        let (s, _) = a
+            .call(
+                "POST",
+                &format!("/v1/operations/{id}/{action}"),
+                VIEWER,
+                None,
+            )
+            .await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "viewer {action}");
+    }
+    assert_eq!(
+        a.call("GET", "/metrics", VIEWER, None).await.0,
+        StatusCode::OK
+    );
+    for scheme in ["bearer", "BEARER", "Bearer"] {
+        let status = a
+            .http
+            .get(format!("{}/v1/operations", a.url))
+            .header("authorization", format!("{scheme} {VIEWER_SECRET}"))
+            .send()
+            .await
+            .expect("request")
+            .status();
+        assert_eq!(status, StatusCode::OK, "scheme {scheme}");
+    }
+}
+
+#[tokio::test]
+async fn args_schema_refusals_name_the_path() {
+    let a = api().await;
+    for (event, amount) in [
+        ("n1", json!("-49.00")),
+        ("n2", json!("0.00")),
+        ("n3", json!(-1)),
+    ] {
+        let (s, body) = a.propose(event, "capture_payment", amount.clone()).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{amount}: {body}");
+        assert_eq!(body["reason"], "args_schema", "{body}");
+        let m = body["message"].as_str().unwrap_or_default();
+        assert!(m.contains("`/amount`"), "{m}");
+    }
+    let (s, body) = a.propose("p1", "capture_payment", json!("49.00")).await;
+    assert_eq!(s, StatusCode::CREATED, "{body}");
+    assert_eq!(body["operation"]["canonical_args"]["amount"], 4900);
 }

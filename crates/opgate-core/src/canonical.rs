@@ -76,6 +76,19 @@ impl Normalizer {
     }
 }
 
+/// The arguments with the tool's defaults for those absent or null; a top-level null
+/// means "not given" (`{"note": null}` and `{}` are one identity), so nulls are dropped.
+pub fn with_defaults(tool: &Tool, raw: &Map<String, Value>) -> Map<String, Value> {
+    let mut args = raw.clone();
+    for (name, default) in &tool.defaults {
+        if matches!(args.get(name), None | Some(Value::Null)) {
+            args.insert(name.clone(), default.clone());
+        }
+    }
+    args.retain(|_, v| !v.is_null());
+    args
+}
+
 /// Why arguments cannot be canonicalized. Each names the argument.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ArgError {
@@ -97,14 +110,7 @@ pub enum ArgError {
 
 /// Applies a tool's argument rules and returns the canonical arguments object.
 pub fn canonicalize_args(tool: &Tool, raw: &Map<String, Value>) -> Result<Value, ArgError> {
-    let mut args = raw.clone();
-    for (name, default) in &tool.defaults {
-        if matches!(args.get(name), None | Some(Value::Null)) {
-            args.insert(name.clone(), default.clone());
-        }
-    }
-    // A top-level null means "not given": `{"note": null}` and `{}` are one identity.
-    args.retain(|_, v| !v.is_null());
+    let mut args = with_defaults(tool, raw);
     if let Some(missing) = tool
         .required
         .iter()

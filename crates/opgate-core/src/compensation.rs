@@ -154,6 +154,7 @@ side_effect_class = "internal_write"
             registry,
             &p,
             Delivery {
+                principal: None,
                 source: Source::Http,
                 traceparent: None,
             },
@@ -237,6 +238,7 @@ tools = ["capture_payment"]
         )
         .expect("proposal");
         let delivery = || Delivery {
+            principal: None,
             source: Source::Http,
             traceparent: None,
         };

@@ -6,7 +6,7 @@
 
 use serde_json::Value;
 
-use crate::canonical::{ArgError, canonicalize_args};
+use crate::canonical::{ArgError, canonicalize_args, with_defaults};
 use crate::key::{IdempotencyKey, KeyError, KeyInput, args_fingerprint, derive_key};
 use crate::proposal::{Entity, Proposal};
 use crate::registry::{Approval, KeyStrategy, Registry, SideEffectClass};
@@ -35,6 +35,9 @@ pub struct Delivery {
     pub source: Source,
     /// W3C traceparent, carried into spans and results.
     pub traceparent: Option<String>,
+    /// The authenticated principal that sent it (an API token's name), recorded as the
+    /// actor of the operation's first event; `None` over Kafka (trusted by topic ACLs).
+    pub principal: Option<String>,
 }
 
 /// An accepted proposal, ready for the ledger's ingest transaction.
@@ -316,6 +319,11 @@ fn prepare_checked(
             ));
         }
     }
+    if let Some(schema) = &tool.args_schema {
+        schema
+            .check(&with_defaults(tool, &proposal.args))
+            .map_err(|m| reject("args_schema", m))?;
+    }
     let canonical_args = canonicalize_args(tool, &proposal.args)
         .map_err(|e: ArgError| reject("invalid_args", e.to_string()))?;
     let key = derive_key(&KeyInput {
@@ -388,6 +396,7 @@ required = ["text"]
 
     fn delivery() -> Delivery {
         Delivery {
+            principal: None,
             source: Source::Http,
             traceparent: None,
         }

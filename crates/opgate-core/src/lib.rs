@@ -22,6 +22,7 @@ pub mod policy;
 pub mod proposal;
 pub mod registry;
 pub mod retry;
+pub mod schema;
 pub mod state;
 pub mod template;
 

@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::canonical::Normalizer;
 use crate::retry::{OnExhausted, RetryPolicy};
+use crate::schema::ArgsSchema;
 use crate::template::{Placeholder, Template};
 
 /// How a tool's effect behaves under repetition; it decides the retry policy.
@@ -204,6 +205,13 @@ pub struct ExclusiveGroupConfig {
 pub struct ToolConfig {
     /// Tool name, as proposals name it.
     pub name: String,
+    /// What the tool does, for people and models (served over MCP).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// JSON Schema (draft 2020-12) of the arguments as proposed: an inline table, or the
+    /// path of a JSON file (relative to the config file).
+    #[serde(default)]
+    pub args_schema: Option<Value>,
     /// Side-effect class.
     pub side_effect_class: SideEffectClass,
     /// Entity type the tool acts on; proposals for another type are rejected.
@@ -314,6 +322,10 @@ pub struct ExclusiveGroup {
 pub struct Tool {
     /// Tool name.
     pub name: String,
+    /// What the tool does.
+    pub description: Option<String>,
+    /// The arguments' schema, checked before normalization.
+    pub args_schema: Option<ArgsSchema>,
     /// Side-effect class.
     pub side_effect_class: SideEffectClass,
     /// Required entity type, if any.
@@ -509,8 +521,26 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
         args.insert(arg.clone(), parsed);
     }
 
+    let args_schema = match &raw.args_schema {
+        None => None,
+        Some(Value::String(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| err("args_schema", format!("reading {path}: {e}")))?;
+            let schema = serde_json::from_str(&text)
+                .map_err(|e| err("args_schema", format!("{path} is not JSON: {e}")))?;
+            Some(
+                ArgsSchema::compile(schema)
+                    .map_err(|m| err("args_schema", format!("{path}: {m}")))?,
+            )
+        }
+        Some(inline) => {
+            Some(ArgsSchema::compile(inline.clone()).map_err(|m| err("args_schema", m))?)
+        }
+    };
     let mut tool = Tool {
         name: name.to_owned(),
+        description: raw.description.clone(),
+        args_schema,
         side_effect_class: raw.side_effect_class,
         entity: raw.entity.clone(),
         key_strategy: raw.key_strategy,

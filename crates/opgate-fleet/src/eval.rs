@@ -249,7 +249,7 @@ pub async fn run(setup: EvalSetup, args: EvalArgs) -> anyhow::Result<EvalReport>
         }
         None => {
             let broker = EmbeddedBroker::start(1, "", &specs)?;
-            (KafkaConfig::new(broker.bootstrap_servers()), Some(broker))
+            (broker.kafka_config(), Some(broker))
         }
     };
 

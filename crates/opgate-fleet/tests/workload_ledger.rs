@@ -40,6 +40,7 @@ async fn one_operation_per_intent(batch: usize) {
                         &registry,
                         &p,
                         Delivery {
+                            principal: None,
                             source: Source::Http,
                             traceparent: None,
                         },

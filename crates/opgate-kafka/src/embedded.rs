@@ -107,6 +107,20 @@ impl EmbeddedBroker {
         &self.bootstrap
     }
 
+    /// A client configuration for this broker. Consumers ask for records with
+    /// `fetch.wait.max.ms = 10`: with librdkafka's default (500 ms) records published to
+    /// the mock cluster reached the ingest worker in bursts about every half second
+    /// (`bench e2e --rate 500 --ops-per-entity 1`: consume -> dispatch p50 201 ms; 11 ms
+    /// with this setting). A Kafka broker answers a waiting fetch as soon as data arrives,
+    /// so production configurations keep the default.
+    pub fn kafka_config(&self) -> crate::KafkaConfig {
+        let mut config = crate::KafkaConfig::new(self.bootstrap.clone());
+        config
+            .client
+            .insert("fetch.wait.max.ms".into(), "10".into());
+        config
+    }
+
     /// Number of brokers.
     pub fn brokers(&self) -> i32 {
         self.brokers

@@ -110,21 +110,32 @@ impl ResultsRelay {
     pub async fn run(self, cancel: CancellationToken) -> Result<()> {
         info!(topic = %self.topic, "results relay started");
         let mut backoff = crate::stall_backoff();
+        // A commit that wrote results ends an idle pause (not a failure's back-off).
+        let mut changes = self.ledger.changes();
         while !cancel.is_cancelled() {
-            let pause = match self.relay_once().await {
-                Ok(0) => self.idle,
+            changes.seen();
+            let (pause, wake_on_change) = match self.relay_once().await {
+                Ok(0) => (self.idle, true),
                 Ok(_) => {
                     backoff = crate::stall_backoff();
-                    Duration::ZERO
+                    (Duration::ZERO, false)
                 }
                 Err(e) => {
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
                     warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "relay round failed");
-                    delay
+                    (delay, false)
+                }
+            };
+            let changed = async {
+                if wake_on_change {
+                    changes.changed().await
+                } else {
+                    std::future::pending().await
                 }
             };
             tokio::select! {
                 () = tokio::time::sleep(pause) => {}
+                () = changed => {}
                 () = cancel.cancelled() => {}
             }
         }

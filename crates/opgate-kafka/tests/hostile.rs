@@ -275,6 +275,9 @@ impl Ledger for Refusing {
     async fn schema_status(&self) -> opgate_store::Result<opgate_store::SchemaStatus> {
         self.0.schema_status().await
     }
+    fn changes(&self) -> opgate_store::Changes {
+        self.0.changes()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

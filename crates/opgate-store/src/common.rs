@@ -66,6 +66,7 @@ pub(crate) fn list_sql(filter: &ListFilter, cursor: Option<Uuid>) -> (String, Ve
         ("(entity_type || ':' || entity_id)", filter.entity.clone()),
         ("namespace", filter.namespace.clone()),
         ("idempotency_key", filter.idempotency_key.clone()),
+        ("agent_id", filter.agent_id.clone()),
     ];
     for (column, value) in texts {
         if let Some(value) = value {

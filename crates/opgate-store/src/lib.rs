@@ -10,7 +10,9 @@
 //!   attempt, queue and result outbox move together;
 //! - [`Ledger::claim_reconcile`] turns expired leases into `unknown_outcome` and leases
 //!   ambiguous operations to a reconciler;
-//! - [`Ledger::claim_results`] / [`Ledger::mark_published`] feed the results relay.
+//! - [`Ledger::claim_results`] / [`Ledger::mark_published`] feed the results relay;
+//! - [`Ledger::changes`] wakes the dispatcher and the relay when one of the writes above
+//!   commits, so they need not wait for their next poll.
 //!
 //! The algorithm of each path is written once ([`flow`]) over a small per-backend
 //! statement set; the backends differ only in SQL dialect and column types. All times
@@ -21,6 +23,7 @@ mod error;
 mod flow;
 pub mod postgres;
 mod schema;
+mod signal;
 pub mod sqlite;
 mod types;
 
@@ -29,6 +32,7 @@ use std::sync::Arc;
 pub use error::{Error, Result};
 pub use postgres::PgLedger;
 pub use schema::SchemaStatus;
+pub use signal::Changes;
 pub use sqlite::SqliteLedger;
 pub use types::*;
 
@@ -96,6 +100,11 @@ pub trait Ledger: Send + Sync + 'static {
 
     /// Whether the schema is the one this build knows.
     async fn schema_status(&self) -> Result<SchemaStatus>;
+
+    /// Wakes the caller when a write transaction (ingest, record, reconcile claim,
+    /// command, compensation) has committed, in this process or, on PostgreSQL, in any
+    /// process on the same database. Call it inside a Tokio runtime.
+    fn changes(&self) -> Changes;
 }
 
 /// A shared ledger handle.

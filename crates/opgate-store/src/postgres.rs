@@ -1,6 +1,7 @@
 //! The PostgreSQL ledger: row locks, `FOR UPDATE SKIP LOCKED`, the database clock.
 
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use opgate_core::{Entity, ErrorInfo, IngestItem, Operation, SideEffectClass, Status};
@@ -19,6 +20,7 @@ use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
 };
 use crate::schema::{self, SchemaStatus};
+use crate::signal::{Changes, Signal};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
 
@@ -26,6 +28,7 @@ use crate::{Error, Ledger, Result};
 #[derive(Debug, Clone)]
 pub struct PgLedger {
     pool: PgPool,
+    changes: Arc<PgChanges>,
 }
 
 impl PgLedger {
@@ -42,7 +45,14 @@ impl PgLedger {
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(options)
             .await?;
-        Ok(Self { pool })
+        // One channel per schema: deployments sharing a database do not wake each other.
+        let schema: String = sqlx::query_scalar("SELECT COALESCE(current_schema(), '')")
+            .fetch_one(&pool)
+            .await?;
+        Ok(Self {
+            changes: Arc::new(PgChanges::new(format!("opgate_changes_{schema}"))),
+            pool,
+        })
     }
 
     /// Applies pending migrations.
@@ -81,9 +91,36 @@ macro_rules! in_tx {
     }};
 }
 
+/// A write transaction whose commit may have made work for the dispatcher or the relay:
+/// it sends a `NOTIFY` (other processes' listeners receive it on commit), and this
+/// process's workers are woken once it committed.
+macro_rules! write_tx {
+    ($self:ident, |$tx:ident| $body:expr) => {{
+        let out = in_tx!($self, |$tx| {
+            let out = $body;
+            $tx.announce(&$self.changes).await?;
+            out
+        });
+        if out.is_ok() {
+            $self.changes.signal.fire();
+        }
+        out
+    }};
+}
+
 struct PgTx(Transaction<'static, Postgres>);
 
 impl PgTx {
+    /// Tells the other processes' listeners, on commit, that the ledger changed.
+    async fn announce(&mut self, changes: &PgChanges) -> Result<()> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(&changes.channel)
+            .bind(&changes.instance)
+            .execute(&mut *self.0)
+            .await?;
+        Ok(())
+    }
+
     /// Operations by id, with a trailing clause (ordering and locking).
     async fn select_operations(
         &mut self,
@@ -780,7 +817,7 @@ fn attempt_from_row(row: &PgRow) -> Result<Attempt> {
 #[async_trait::async_trait]
 impl Ledger for PgLedger {
     async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
-        in_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
+        write_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -791,7 +828,7 @@ impl Ledger for PgLedger {
     }
 
     async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
-        in_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
+        write_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
     }
 
     async fn claim_reconcile(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -799,12 +836,12 @@ impl Ledger for PgLedger {
     }
 
     async fn apply(&self, command: &Command) -> Result<Operation> {
-        in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+        write_tx!(self, |tx| flow::apply(&mut tx, command).await?)
             .map_err(Error::entity_busy_is_a_conflict)
     }
 
     async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)> {
-        in_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
+        write_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
             .map_err(Error::entity_busy_is_a_conflict)
     }
 
@@ -1014,4 +1051,76 @@ impl Ledger for PgLedger {
         };
         Ok(SchemaStatus::new(found, &schema::POSTGRES))
     }
+
+    fn changes(&self) -> Changes {
+        self.changes.listen(&self.pool);
+        self.changes.signal.subscribe()
+    }
+}
+
+/// This process's side of the change signal: fired after its own commits, and by a
+/// listener task (started by the first [`Ledger::changes`]) on other processes'.
+#[derive(Debug)]
+struct PgChanges {
+    signal: Signal,
+    /// The channel write transactions `NOTIFY` (`opgate_changes_{schema}`).
+    channel: String,
+    /// The payload: it names this ledger instance, so a process ignores its own
+    /// notifications (it fired the signal already).
+    instance: String,
+    listener: OnceLock<tokio::task::JoinHandle<()>>,
+}
+
+impl PgChanges {
+    fn new(channel: String) -> Self {
+        Self {
+            signal: Signal::new(),
+            channel,
+            instance: Uuid::now_v7().to_string(),
+            listener: OnceLock::new(),
+        }
+    }
+
+    /// Starts the listener once. It reconnects by itself after a lost connection, and
+    /// fires the signal then (notifications sent meanwhile are lost; a worker looks again).
+    fn listen(&self, pool: &PgPool) {
+        self.listener.get_or_init(|| {
+            let (pool, signal) = (pool.clone(), self.signal.clone());
+            let (channel, me) = (self.channel.clone(), self.instance.clone());
+            tokio::spawn(async move {
+                let mut pause = Duration::from_millis(100);
+                loop {
+                    match listen_once(&pool, &signal, &channel, &me).await {
+                        Ok(()) => pause = Duration::from_millis(100),
+                        Err(e) => {
+                            tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "ledger change listener failed; workers poll meanwhile");
+                            pause = (pause * 2).min(Duration::from_secs(10));
+                        }
+                    }
+                    signal.fire();
+                    tokio::time::sleep(pause).await;
+                }
+            })
+        });
+    }
+}
+
+impl Drop for PgChanges {
+    fn drop(&mut self) {
+        if let Some(task) = self.listener.get() {
+            task.abort();
+        }
+    }
+}
+
+/// Listens until the connection is lost (`Ok`) or cannot be set up (`Err`).
+async fn listen_once(pool: &PgPool, signal: &Signal, channel: &str, me: &str) -> Result<()> {
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    while let Some(notification) = listener.try_recv().await? {
+        if notification.payload() != me {
+            signal.fire();
+        }
+    }
+    Ok(())
 }

@@ -27,6 +27,7 @@ use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
 };
 use crate::schema::{self, SchemaStatus};
+use crate::signal::{Changes, Signal};
 use crate::types::*;
 use crate::{Error, Ledger, Result};
 
@@ -35,6 +36,7 @@ use crate::{Error, Ledger, Result};
 pub struct SqliteLedger {
     writer: SqlitePool,
     reader: SqlitePool,
+    signal: Signal,
 }
 
 impl SqliteLedger {
@@ -60,7 +62,11 @@ impl SqliteLedger {
             .max_connections(4)
             .connect_with(options.read_only(true))
             .await?;
-        Ok(Self { writer, reader })
+        Ok(Self {
+            writer,
+            reader,
+            signal: Signal::new(),
+        })
     }
 
     /// Applies pending migrations.
@@ -90,6 +96,18 @@ macro_rules! in_tx {
         .retry(crate::retry_policy())
         .when($retry_when)
         .await
+    }};
+}
+
+/// A write transaction whose commit may have made work for the dispatcher or the relay:
+/// they are woken once it committed.
+macro_rules! write_tx {
+    ($self:ident, |$tx:ident| $body:expr) => {{
+        let out = in_tx!($self, |$tx| $body);
+        if out.is_ok() {
+            $self.signal.fire();
+        }
+        out
     }};
 }
 
@@ -628,7 +646,7 @@ fn attempt_from_row(row: &SqliteRow) -> Result<Attempt> {
 #[async_trait::async_trait]
 impl Ledger for SqliteLedger {
     async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
-        in_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
+        write_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -639,7 +657,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
-        in_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
+        write_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
     }
 
     async fn claim_reconcile(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -647,12 +665,12 @@ impl Ledger for SqliteLedger {
     }
 
     async fn apply(&self, command: &Command) -> Result<Operation> {
-        in_tx!(self, |tx| flow::apply(&mut tx, command).await?)
+        write_tx!(self, |tx| flow::apply(&mut tx, command).await?)
             .map_err(Error::entity_busy_is_a_conflict)
     }
 
     async fn compensate(&self, request: &CompensationRequest) -> Result<(Operation, Operation)> {
-        in_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
+        write_tx!(self, |tx| flow::compensate(&mut tx, request).await?)
             .map_err(Error::entity_busy_is_a_conflict)
     }
 
@@ -872,5 +890,10 @@ impl Ledger for SqliteLedger {
             Err(e) => return Err(e.into()),
         };
         Ok(SchemaStatus::new(found, &schema::SQLITE))
+    }
+
+    fn changes(&self) -> Changes {
+        // One file, one writer: the process that writes is the one that listens.
+        self.signal.subscribe()
     }
 }

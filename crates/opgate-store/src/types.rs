@@ -248,6 +248,8 @@ pub struct ListFilter {
     pub namespace: Option<String>,
     /// Idempotency key.
     pub idempotency_key: Option<String>,
+    /// The proposing agent (an agent token sees only its own operations).
+    pub agent_id: Option<String>,
     /// Page size (default 50, at most 500).
     pub limit: Option<usize>,
     /// Cursor from the previous page.

@@ -76,6 +76,7 @@ conformance!(
     results_of_one_operation_are_leased_in_order,
     the_schemas_state_lists_are_the_state_machines,
     two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it,
+    commits_that_make_work_wake_the_workers,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1837,4 +1838,80 @@ async fn two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it(h: Ha
             "{status}: {second:?}"
         );
     }
+}
+
+/// Whether `changes` fires within `wait`.
+async fn woken(changes: &mut opgate_store::Changes, wait: Duration) -> bool {
+    tokio::time::timeout(wait, changes.changed()).await.is_ok()
+}
+
+async fn commits_that_make_work_wake_the_workers(h: Harness) {
+    let l = h.ledger.as_ref();
+    let quiet = Duration::from_millis(150);
+    let soon = Duration::from_secs(5);
+    let mut here = l.changes();
+    // On PostgreSQL a second process's ledger hears this one's commits through NOTIFY.
+    let other = h.another_process().await;
+    let mut there = other.changes();
+    // The listener is up once it hears a commit; wait for that before counting wakes.
+    if h.dialect() == "postgres" {
+        let mut ready = false;
+        for n in 0..50 {
+            l.ingest(&[pay(&format!("warm{n}"), "warm", "1")])
+                .await
+                .expect("ingest");
+            if woken(&mut there, Duration::from_millis(100)).await {
+                ready = true;
+                break;
+            }
+        }
+        assert!(ready, "the other process's listener never heard a commit");
+    }
+    here.seen();
+    there.seen();
+    assert!(!woken(&mut here, quiet).await, "nothing committed yet");
+
+    l.ingest(&[pay("e1", "o1", "49.00")]).await.expect("ingest");
+    assert!(
+        woken(&mut here, soon).await,
+        "an ingest commit wakes this process"
+    );
+    if h.dialect() == "postgres" {
+        assert!(woken(&mut there, soon).await, "and the other process");
+        // Its own commits do not echo back as a second wake-up.
+        assert!(!woken(&mut there, quiet).await, "one commit, one wake-up");
+    }
+    assert!(!woken(&mut here, quiet).await, "one commit, one wake-up");
+
+    // A claim makes no work for anyone else: no wake-up.
+    let claim = claim_one(l, "d1").await;
+    assert!(!woken(&mut here, quiet).await, "a claim is not a wake-up");
+
+    // The outcome's commit frees the entity and writes a result: a wake-up.
+    record_ok(
+        l,
+        Recording::new(
+            claim.operation.operation_id,
+            claim.epoch(),
+            Event::Succeed,
+            "committed",
+        ),
+    )
+    .await;
+    assert!(woken(&mut here, soon).await, "a recorded outcome wakes");
+
+    // A commit by the other process wakes this one (PostgreSQL) — never a lost write:
+    // whatever the signal, the work is in the ledger for the next poll.
+    other
+        .ingest(&[pay("e2", "o2", "49.00")])
+        .await
+        .expect("ingest");
+    if h.dialect() == "postgres" {
+        assert!(
+            woken(&mut here, soon).await,
+            "another process's commit wakes this one"
+        );
+    }
+    let warm = i64::from(h.dialect() == "postgres");
+    assert_eq!(ops_count(&h).await, 2 + warm);
 }

@@ -150,6 +150,23 @@ impl Harness {
         }
     }
 
+    /// A second ledger on the same database, as another process would open it.
+    pub async fn another_process(&self) -> Arc<dyn Ledger> {
+        match &self.raw {
+            Raw::Sqlite(pool) => Arc::new(
+                SqliteLedger::open(&pool.connect_options().get_filename().display().to_string())
+                    .await
+                    .expect("open sqlite again"),
+            ),
+            #[cfg(feature = "integration")]
+            Raw::Postgres(pool) => Arc::new(
+                opgate_store::PgLedger::connect_with((*pool.connect_options()).clone())
+                    .await
+                    .expect("connect again"),
+            ),
+        }
+    }
+
     /// `sqlite` or `postgres`.
     pub fn dialect(&self) -> &'static str {
         match &self.raw {
@@ -235,6 +252,7 @@ pub fn registry() -> Registry {
 
 pub fn delivery(offset: i64) -> Delivery {
     Delivery {
+        principal: None,
         source: Source::Kafka {
             topic: "opgate.proposals".into(),
             partition: 0,

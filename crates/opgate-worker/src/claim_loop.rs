@@ -3,12 +3,14 @@
 //! (or back off after a failed claim), and on cancellation stop claiming and wait until
 //! everything in flight has been handled and recorded. A pause ends early when a handled
 //! operation finishes: its permits are free again, so there may be room to claim (a
-//! claim that found no room must not cost an idle pause per wave of work).
+//! claim that found no room must not cost an idle pause per wave of work), and when the
+//! ledger signals a commit that may have made work ([`Changes`]).
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use opgate_store::Changes;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -24,12 +26,17 @@ pub(crate) struct Loop {
     pub batch: usize,
     /// Pause when there is nothing to claim.
     pub idle: Duration,
+    /// Ends a pause when the ledger changed ([`Changes::never`]: poll only).
+    pub changes: Changes,
+    /// Ends a pause when room to claim was given back: the loop notifies it when a
+    /// handled operation finishes, a handler when it gives back a permit of its own early.
+    pub freed: Arc<Notify>,
 }
 
 impl Loop {
     /// Runs until `cancel`, then drains.
     pub(crate) async fn run<T, C, CF, H, HF>(
-        self,
+        mut self,
         cancel: CancellationToken,
         mut claim: C,
         handle: H,
@@ -40,10 +47,11 @@ impl Loop {
         HF: Future<Output = ()> + Send + 'static,
     {
         let tracker = TaskTracker::new();
-        let finished = Arc::new(Notify::new());
         let mut backoff = Duration::from_millis(50);
         while !cancel.is_cancelled() {
             let room = self.permits.available_permits().min(self.batch);
+            // A commit from here on wakes the pause below.
+            self.changes.seen();
             let pause = if room == 0 {
                 self.idle
             } else {
@@ -56,11 +64,11 @@ impl Loop {
                                 break;
                             };
                             let work = handle(c);
-                            let finished = finished.clone();
+                            let freed = self.freed.clone();
                             tracker.spawn(async move {
                                 work.await;
                                 drop(permit);
-                                finished.notify_one();
+                                freed.notify_one();
                             });
                         }
                         Duration::ZERO
@@ -73,9 +81,18 @@ impl Loop {
                 }
             };
             if !pause.is_zero() {
+                // With no room, new work cannot be claimed anyway: wait for room only.
+                let changed = async {
+                    if room == 0 {
+                        std::future::pending().await
+                    } else {
+                        self.changes.changed().await
+                    }
+                };
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
-                    () = finished.notified() => {}
+                    () = self.freed.notified() => {}
+                    () = changed => {}
                     () = cancel.cancelled() => {}
                 }
             }

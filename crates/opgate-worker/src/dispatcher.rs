@@ -14,7 +14,7 @@ use opgate_tools::{CallReport, DispatchRequest};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use time::OffsetDateTime;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -88,6 +88,8 @@ struct Inner {
     adapters: Adapters,
     config: DispatcherConfig,
     per_tool: HashMap<String, Arc<Semaphore>>,
+    /// Notified when a per-tool permit is given back (the claim loop may claim again).
+    tool_freed: Arc<Notify>,
     rng: Mutex<StdRng>,
 }
 
@@ -189,6 +191,7 @@ impl Dispatcher {
                 adapters,
                 config,
                 per_tool,
+                tool_freed: Arc::new(Notify::new()),
                 rng: Mutex::new(rng),
             }),
         })
@@ -203,6 +206,8 @@ impl Dispatcher {
             permits: self.permits.clone(),
             batch: self.inner.config.batch,
             idle: self.inner.config.idle,
+            changes: self.inner.ledger.changes(),
+            freed: self.inner.tool_freed.clone(),
         };
         worker
             .run(
@@ -241,6 +246,12 @@ impl Dispatcher {
                 tool_room,
             })
             .await?;
+        tracing::debug!(
+            limit,
+            claimed = claims.len(),
+            ms = asked.elapsed().as_secs_f64() * 1000.0,
+            "claimed"
+        );
         Ok(claims
             .into_iter()
             .map(|claim| {
@@ -329,6 +340,11 @@ impl Dispatcher {
                 provider_key: &provider_key,
             })
             .await;
+        // `per_tool` bounds calls in flight at the provider: the call is over, the
+        // outcome's commit need not hold the tool's permit (the overall permit bounds it).
+        if leased.tool_permit.take().is_some() {
+            inner.tool_freed.notify_one();
+        }
         let recording = self.decide(tool, claim, leased.now(), &report);
         let transition = recording.event;
         let m = opgate_metrics::metrics();

@@ -92,6 +92,9 @@ impl Reconciler {
             permits: self.permits.clone(),
             batch: self.config.batch,
             idle: self.config.idle,
+            // Its work comes due by the clock (leases, lookup schedules): it polls.
+            changes: opgate_store::Changes::never(),
+            freed: Default::default(),
         };
         worker
             .run(

@@ -160,6 +160,7 @@ impl World {
             &self.registry,
             &proposal,
             Delivery {
+                principal: None,
                 source: Source::Http,
                 traceparent: None,
             },

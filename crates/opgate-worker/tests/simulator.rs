@@ -234,6 +234,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
             "entity": {"type": "account", "id": entity}, "args": {"n": rng.random_range(1..4)}});
         let proposal = Proposal::from_value(value, &Limits::default()).expect("proposal");
         let delivery = Delivery {
+            principal: None,
             source: Source::Http,
             traceparent: None,
         };

@@ -13,7 +13,7 @@ use anyhow::bail;
 use opgate_core::{Limits, Registry};
 use opgate_kafka::config::PROPOSALS;
 use opgate_kafka::topics::builtin_specs;
-use opgate_kafka::{EmbeddedBroker, IngestStats, IngestWorker, KafkaConfig};
+use opgate_kafka::{EmbeddedBroker, IngestStats, IngestWorker};
 use rand::{Rng, SeedableRng};
 use tokio_util::sync::CancellationToken;
 
@@ -57,7 +57,7 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
         }
     }
     let broker = EmbeddedBroker::start(1, "", &specs)?;
-    let mut config = KafkaConfig::new(broker.bootstrap_servers());
+    let mut config = broker.kafka_config();
     config.batch.max_messages = opts.batch;
 
     let (_url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "ingest").await?;

@@ -1,7 +1,7 @@
 //! `opgate bench e2e`: the whole path, as a user runs it. N operations' proposals (with
 //! redeliveries and re-spelled duplicates) are published to the embedded broker first;
-//! then the ingest, relay, dispatch and reconcile roles start in this process against a
-//! ledger (SQLite, or PostgreSQL with `--database-url`) and the simulated providers
+//! then the ingest, relay, dispatch and reconcile roles start in this process (or in
+//! `--processes N` child `opgate run` processes) against a ledger (SQLite, or PostgreSQL with `--database-url`) and the simulated providers
 //! (payments, no faults), and the clock runs until every operation's final result is on
 //! `opgate.results`. It prints operations/s, latency percentiles from the ledger (consume
 //! -> first dispatch, consume -> settled), and on PostgreSQL the transactions and row
@@ -71,6 +71,10 @@ pub struct E2eBench {
     /// publishing them all first.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Run the roles in this many `opgate run` child processes (each with every role)
+    /// instead of in this process.
+    #[arg(long)]
+    pub processes: Option<usize>,
     /// Append the figures to this Markdown file.
     #[arg(long)]
     pub write: Option<PathBuf>,
@@ -117,7 +121,10 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let sim = opgate_sim::Sim::new(opgate_sim::SimConfig::default());
     let (sim_addr, _sim_server) = opgate_sim::start("127.0.0.1:0".parse()?, sim.clone()).await?;
     let sim_url = format!("http://{sim_addr}");
-    let env: EnvLookup = Arc::new(move |name| (name == "OPGATE_SIM_URL").then(|| sim_url.clone()));
+    let env: EnvLookup = {
+        let sim_url = sim_url.clone();
+        Arc::new(move |name| (name == "OPGATE_SIM_URL").then(|| sim_url.clone()))
+    };
 
     let (url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "e2e").await?;
 
@@ -128,7 +135,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         }
     }
     let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
-    let kafka = opgate_kafka::KafkaConfig::new(broker.bootstrap_servers());
+    let kafka = broker.kafka_config();
     if opts.rate.is_none() {
         opgate_fleet::client::publish(&kafka, &records).await?;
     }
@@ -148,8 +155,13 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         .rate
         .map_or(String::new(), |r| format!(", offered {r:.0} records/s"));
     let settings = format!(
-        "{} ops per order{offered}{history}, record_batch {}, per_tool {}, concurrency {}, batch {}",
+        "{} ops per order{offered}{history}{}, record_batch {}, per_tool {}, concurrency {}, batch {}",
         opts.ops_per_entity,
+        if opts.processes.is_some() {
+            ", child processes"
+        } else {
+            ""
+        },
         opts.record_batch.map_or("128".into(), |n| n.to_string()),
         opts.per_tool.map_or("16".into(), |n| n.to_string()),
         opts.concurrency.map_or("64".into(), |n| n.to_string()),
@@ -178,18 +190,31 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     };
 
     let started = Instant::now();
-    let roles_list: Vec<String> = ["ingest", "relay", "dispatch", "reconcile"]
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
-    let running = roles::start(&config, &roles_list, env).await?;
+    let running = match opts.processes {
+        None => {
+            let roles_list: Vec<String> = ["ingest", "relay", "dispatch", "reconcile"]
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            Running::Here(roles::start(&config, &roles_list, env).await?)
+        }
+        Some(n) => Running::Children(spawn_workers(n.max(1), &opts, &url, &kafka, &sim_url)?),
+    };
     if let Some(rate) = opts.rate {
+        // Offer the load once ingest consumes: records published during the consumer
+        // group's join would queue up and be measured as a burst, not as the rate.
+        warm_up(&kafka, ledger.as_ref()).await?;
         opgate_fleet::client::publish_at_rate(&kafka, &records, rate).await?;
     }
     let (first_result, last_result) = reader.await??;
     let elapsed = last_result - started;
     let joined = first_result - started;
-    running.shutdown().await?;
+    match running {
+        Running::Here(roles) => roles.shutdown().await?,
+        Running::Children((mut workers, _dir)) => {
+            tokio::task::spawn_blocking(move || workers.stop_all()).await?;
+        }
+    }
     let after = match &pg {
         Some(pool) => pg_counters(pool).await?,
         None => PgCounters::default(),
@@ -236,6 +261,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         percentile(&mut to_settled, 0.99),
     );
     let per_op = |n: i64| n as f64 / keys as f64;
+    let processes = opts.processes.unwrap_or(1);
     let (tx, rows) = if pg.is_some() {
         (
             format!("{:.1}", per_op(after.commits - before.commits)),
@@ -245,7 +271,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         ("-".to_owned(), "-".to_owned())
     };
     println!(
-        "e2e: {keys} operations ({} records) on {} partitions, {backend}, 1 process ({settings}): {:.2} s to the last result, \
+        "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
          consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
          transactions/op {tx}, row writes/op {rows}; {} effects, 0 duplicates",
@@ -256,7 +282,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | 1 | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),
@@ -266,6 +292,81 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         append_row(&path, &line)?;
     }
     Ok(())
+}
+
+/// Publishes one proposal in namespace `bench-warm-up` and waits until it is in the
+/// ledger: from then on, ingest is consuming.
+async fn warm_up(
+    kafka: &opgate_kafka::KafkaConfig,
+    ledger: &dyn opgate_store::Ledger,
+) -> anyhow::Result<()> {
+    let value = serde_json::json!({"event_id": "warm-up", "namespace": "bench-warm-up",
+        "tool": "pay", "entity": {"type": "order", "id": "warm-up"},
+        "args": {"amount": "1.00", "currency": "usd"}});
+    opgate_fleet::client::publish(kafka, &[("warm-up".into(), value.to_string().into_bytes())])
+        .await?;
+    let filter = opgate_store::ListFilter {
+        namespace: Some("bench-warm-up".into()),
+        limit: Some(1),
+        ..Default::default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ledger.list(&filter).await?.operations.is_empty() {
+        if Instant::now() > deadline {
+            bail!("ingest did not consume the warm-up proposal in 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Where the roles run.
+enum Running {
+    Here(roles::Running),
+    Children((opgate_fleet::workers::Workers, PathBuf)),
+}
+
+/// Starts `n` `opgate run` processes of this binary with every role, on the benchmark's
+/// ledger, broker, tools and worker settings; their logs go to a temp dir.
+fn spawn_workers(
+    n: usize,
+    opts: &E2eBench,
+    url: &str,
+    kafka: &opgate_kafka::KafkaConfig,
+    sim_url: &str,
+) -> anyhow::Result<(opgate_fleet::workers::Workers, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("opgate-bench-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut worker = String::new();
+    for (name, value) in [
+        ("record_batch", opts.record_batch),
+        ("per_tool", opts.per_tool),
+        ("concurrency", opts.concurrency),
+        ("batch", opts.batch),
+    ] {
+        if let Some(v) = value {
+            worker.push_str(&format!("{name} = {v}\n"));
+        }
+    }
+    let mut client = String::new();
+    for (key, value) in &kafka.client {
+        client.push_str(&format!("{key:?} = {value:?}\n"));
+    }
+    let config = dir.join("opgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{TOOLS}\n[database]\nurl = \"{url}\"\n\n[kafka]\nbrokers = \"{}\"\n[kafka.client]\n{client}\n[worker]\n{worker}",
+            kafka.brokers
+        ),
+    )?;
+    let exe = std::env::current_exe().context("this binary's path")?;
+    let mut workers = opgate_fleet::workers::Workers::new(&exe, &config, &dir, sim_url);
+    for slot in 0..n {
+        workers.spawn(slot)?;
+    }
+    println!("e2e: {n} worker process(es); logs in {}", dir.display());
+    Ok((workers, dir))
 }
 
 /// The `q` quantile (nearest rank) in milliseconds.

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
+use opgate_api::views::{
+    CompensationAnswer, ErrorAnswer, EventsView, OperationView, PageView, ProposalAnswer,
+};
 use serde_json::{Map, Value, json};
 
 /// Where the API is and who is asking.
@@ -188,13 +191,13 @@ impl Client {
         })
     }
 
-    async fn call(
+    async fn call<T: serde::de::DeserializeOwned>(
         &self,
         method: reqwest::Method,
         path: &str,
         query: &[(&str, String)],
         body: Option<Value>,
-    ) -> anyhow::Result<Value> {
+    ) -> anyhow::Result<T> {
         let Some(token) = &self.token else {
             bail!("no token: set OPGATE_TOKEN or pass --token (`opgate dev` prints one)");
         };
@@ -213,22 +216,17 @@ impl Client {
             .with_context(|| format!("calling {url}"))?;
         let status = response.status();
         let text = response.text().await?;
-        let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
         // A refused proposal (422) is an answer `propose` prints; anywhere else it fails.
         if status.is_success()
             || (status == reqwest::StatusCode::UNPROCESSABLE_ENTITY && path == "/v1/proposals")
         {
-            return Ok(value);
+            return serde_json::from_str(&text).with_context(|| {
+                format!("{url} answered {status} with an unexpected body: {text}")
+            });
         }
-        match value.pointer("/error/message").and_then(Value::as_str) {
-            Some(message) => bail!(
-                "{status}: {} ({message})",
-                value
-                    .pointer("/error/code")
-                    .and_then(Value::as_str)
-                    .unwrap_or("error")
-            ),
-            None => bail!("{status}: {value}"),
+        match serde_json::from_str::<ErrorAnswer>(&text) {
+            Ok(e) => bail!("{status}: {} ({})", e.error.code, e.error.message),
+            Err(_) => bail!("{status}: {text}"),
         }
     }
 }
@@ -248,15 +246,15 @@ pub async fn propose(args: ProposeArgs) -> anyhow::Result<()> {
         }
         None => build_proposal(&args)?,
     };
-    let answer = client
+    let answer: ProposalAnswer = client
         .call(reqwest::Method::POST, "/v1/proposals", &[], Some(proposal))
         .await?;
-    let settled = match (&args.wait, answer.pointer("/operation/operation_id")) {
-        (Some(wait), Some(Value::String(id))) => Some(
+    let settled: Option<OperationView> = match (&args.wait, &answer.operation) {
+        (Some(wait), Some(op)) => Some(
             client
                 .call(
                     reqwest::Method::GET,
-                    &format!("/v1/operations/{id}"),
+                    &format!("/v1/operations/{}", op.operation_id),
                     &[("wait", wait.clone())],
                     None,
                 )
@@ -267,30 +265,28 @@ pub async fn propose(args: ProposeArgs) -> anyhow::Result<()> {
     if args.api.json {
         let mut out = answer.clone();
         if let Some(op) = settled {
-            out["operation"] = op;
+            out.operation = Some(op);
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
         "{} {}{}",
-        text(&answer, "/decision"),
-        text(&answer, "/event_id"),
+        answer.decision,
+        answer.event_id,
         answer
-            .get("reason")
-            .and_then(Value::as_str)
+            .reason
+            .as_deref()
             .map(|r| format!(" ({r})"))
             .unwrap_or_default()
     );
-    if let Some(message) = answer.get("message").and_then(Value::as_str) {
+    if let Some(message) = &answer.message {
         println!("  {message}");
     }
-    if let Some(op) = settled.as_ref().or(answer.get("operation")) {
-        if !op.is_null() {
-            print_operation(op);
-        }
+    if let Some(op) = settled.as_ref().or(answer.operation.as_ref()) {
+        print_operation(op);
     }
-    if text(&answer, "/decision") == "rejected" {
+    if answer.decision == "rejected" {
         bail!("the proposal was rejected");
     }
     Ok(())
@@ -348,7 +344,7 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
         Some(r) => json!({"reason": r}),
         None => json!({}),
     };
-    let value = match &args.command {
+    let op: OperationView = match &args.command {
         OpsCommand::List {
             status,
             tool,
@@ -371,33 +367,29 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
                     query.push((name, v.clone()));
                 }
             }
-            let page = client
+            let page: PageView = client
                 .call(reqwest::Method::GET, "/v1/operations", &query, None)
                 .await?;
-            if !json_out {
+            return if json_out {
+                print_json(&page)
+            } else {
                 print_list(&page);
-                return Ok(());
-            }
-            page
+                Ok(())
+            };
         }
         OpsCommand::Show { id, wait } => {
             let query: Vec<(&str, String)> = wait.iter().map(|w| ("wait", w.clone())).collect();
-            let op = client
+            client
                 .call(
                     reqwest::Method::GET,
                     &format!("/v1/operations/{id}"),
                     &query,
                     None,
                 )
-                .await?;
-            if !json_out {
-                print_operation(&op);
-                return Ok(());
-            }
-            op
+                .await?
         }
         OpsCommand::Events { id } => {
-            let events = client
+            let events: EventsView = client
                 .call(
                     reqwest::Method::GET,
                     &format!("/v1/operations/{id}/events"),
@@ -405,11 +397,12 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
                     None,
                 )
                 .await?;
-            if !json_out {
+            return if json_out {
+                print_json(&events)
+            } else {
                 print_events(&events);
-                return Ok(());
-            }
-            events
+                Ok(())
+            };
         }
         OpsCommand::Approve { id, reason } => act(id, "approve", reason_body(reason)).await?,
         OpsCommand::Reject { id, reason } => act(id, "reject", reason_body(reason)).await?,
@@ -428,99 +421,119 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
             act(id, "resolve", body).await?
         }
         OpsCommand::Compensate { id, reason } => {
-            let answer = act(id, "compensate", reason_body(reason)).await?;
-            if !json_out {
-                print_operation(&answer["operation"]);
+            let answer: CompensationAnswer = client
+                .call(
+                    reqwest::Method::POST,
+                    &format!("/v1/operations/{id}/compensate"),
+                    &[],
+                    Some(reason_body(reason)),
+                )
+                .await?;
+            return if json_out {
+                print_json(&answer)
+            } else {
+                print_operation(&answer.operation);
                 println!("compensation:");
-                print_operation(&answer["compensation"]);
-                return Ok(());
-            }
-            answer
+                print_operation(&answer.compensation);
+                Ok(())
+            };
         }
     };
     if json_out {
-        println!("{}", serde_json::to_string_pretty(&value)?);
+        print_json(&op)
     } else {
-        print_operation(&value);
+        print_operation(&op);
+        Ok(())
     }
+}
+
+/// `--json`: the API's answer as it came.
+fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
-fn text(v: &Value, pointer: &str) -> String {
-    match v.pointer(pointer) {
-        None | Some(Value::Null) => "-".into(),
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => other.to_string(),
-    }
+/// An optional value as a table cell (`-` when absent).
+fn cell<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
-fn print_operation(op: &Value) {
-    let entity = format!("{}:{}", text(op, "/entity/type"), text(op, "/entity/id"));
+fn print_operation(op: &OperationView) {
+    let json = |v: &Option<Value>| cell(v.as_ref());
     let rows = [
-        ("operation", text(op, "/operation_id")),
-        ("status", text(op, "/status")),
-        ("tool", text(op, "/tool")),
-        ("entity", entity),
-        ("idempotency key", text(op, "/idempotency_key")),
-        ("namespace", text(op, "/namespace")),
-        ("agent", text(op, "/agent_id")),
+        ("operation", op.operation_id.to_string()),
+        ("status", op.status.clone()),
+        ("tool", op.tool.clone()),
+        ("entity", format!("{}:{}", op.entity.kind, op.entity.id)),
+        ("idempotency key", op.idempotency_key.clone()),
+        ("namespace", op.namespace.clone()),
+        ("agent", cell(op.agent_id.as_ref())),
         (
             "workflow / step",
-            format!("{} / {}", text(op, "/workflow_id"), text(op, "/step")),
+            format!("{} / {}", cell(op.workflow_id.as_ref()), cell(op.step)),
         ),
-        ("args", text(op, "/canonical_args")),
-        ("attempts", text(op, "/attempt_count")),
-        ("next attempt", text(op, "/next_attempt_at")),
-        ("external id", text(op, "/external_id")),
-        ("result", text(op, "/result")),
-        ("error", text(op, "/error")),
-        ("compensates", text(op, "/compensates")),
-        ("created", text(op, "/created_at")),
-        ("updated", text(op, "/updated_at")),
+        ("args", op.canonical_args.to_string()),
+        ("attempts", op.attempt_count.to_string()),
+        ("next attempt", cell(op.next_attempt_at.as_ref())),
+        ("external id", cell(op.external_id.as_ref())),
+        ("result", json(&op.result)),
+        (
+            "error",
+            cell(
+                op.error
+                    .as_ref()
+                    .and_then(|e| serde_json::to_string(e).ok()),
+            ),
+        ),
+        ("compensates", cell(op.compensates)),
+        ("created", op.created_at.clone()),
+        ("updated", op.updated_at.clone()),
     ];
     for (name, value) in rows {
-        if value != "-" {
+        if value != "-" && value != "- / -" {
             println!("  {name:<16} {value}");
         }
     }
 }
 
-fn print_list(page: &Value) {
-    let ops = page["operations"].as_array().cloned().unwrap_or_default();
+fn print_list(page: &PageView) {
     println!(
         "{:<36}  {:<18}  {:<24}  {:<17}  {:>3}  KEY",
         "OPERATION", "TOOL", "ENTITY", "STATUS", "TRY"
     );
-    for op in &ops {
+    for op in &page.operations {
         println!(
             "{:<36}  {:<18}  {:<24}  {:<17}  {:>3}  {}",
-            text(op, "/operation_id"),
-            text(op, "/tool"),
-            format!("{}:{}", text(op, "/entity/type"), text(op, "/entity/id")),
-            text(op, "/status"),
-            text(op, "/attempt_count"),
-            text(op, "/idempotency_key"),
+            op.operation_id,
+            op.tool,
+            format!("{}:{}", op.entity.kind, op.entity.id),
+            op.status,
+            op.attempt_count,
+            op.idempotency_key,
         );
     }
-    match page["next_cursor"].as_str() {
-        Some(cursor) => println!("({} shown; next page: --cursor {cursor})", ops.len()),
-        None => println!("({} shown)", ops.len()),
+    match &page.next_cursor {
+        Some(cursor) => println!(
+            "({} shown; next page: --cursor {cursor})",
+            page.operations.len()
+        ),
+        None => println!("({} shown)", page.operations.len()),
     }
 }
 
-fn print_events(events: &Value) {
+fn print_events(events: &EventsView) {
     println!(
         "{:>5}  {:<24}  {:<36}  {:<28}  ACTOR",
         "SEQ", "AT", "TRANSITION", "REASON"
     );
-    for e in events["events"].as_array().cloned().unwrap_or_default() {
+    for e in &events.events {
         println!(
             "{:>5}  {:<24}  {:<36}  {:<28}  {}",
-            text(&e, "/seq"),
-            text(&e, "/at"),
-            format!("{} -> {}", text(&e, "/from"), text(&e, "/to")),
-            text(&e, "/reason"),
-            text(&e, "/actor"),
+            e.seq,
+            e.at,
+            format!("{} -> {}", cell(e.from.as_ref()), e.to),
+            e.reason,
+            cell(e.actor.as_ref()),
         );
     }
 }

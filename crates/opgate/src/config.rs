@@ -74,15 +74,28 @@ impl WorkerConfig {
 }
 
 /// One `[[api.tokens]]` entry.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenConfig {
-    /// Who holds it (recorded as the actor of commands).
+    /// Who holds it (the principal: recorded as the actor of what it does).
     pub name: String,
-    /// `viewer` or `operator`.
+    /// `agent`, `viewer` or `operator`.
     pub role: opgate_api::Role,
     /// The secret; use `${NAME}` so it stays out of the file.
-    pub secret: String,
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// Several secrets (rotation: add the new one, move the clients, drop the old one).
+    #[serde(default)]
+    pub secrets: Vec<String>,
+    /// SHA-256 digests (hex) of secrets, so the file need not hold them.
+    #[serde(default)]
+    pub secret_sha256: Vec<String>,
+    /// For an agent token: the `agent_id` its proposals carry.
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// For an agent token: the namespaces it may propose in and read.
+    #[serde(default)]
+    pub namespaces: Vec<String>,
 }
 
 impl std::fmt::Debug for TokenConfig {
@@ -90,8 +103,41 @@ impl std::fmt::Debug for TokenConfig {
         f.debug_struct("TokenConfig")
             .field("name", &self.name)
             .field("role", &self.role)
-            .field("secret", &"<redacted>")
+            .field("secrets", &"<redacted>")
+            .field("agent_id", &self.agent_id)
+            .field("namespaces", &self.namespaces)
             .finish()
+    }
+}
+
+impl TokenConfig {
+    /// The token as the API holds it: `${ENV}` expanded, secrets hashed.
+    pub fn token(&self) -> anyhow::Result<opgate_api::Token> {
+        let expand = |v: &str| {
+            opgate_core::envsubst::expand(v, |n| std::env::var(n).ok())
+                .with_context(|| format!("api.tokens `{}`", self.name))
+        };
+        let secrets = self
+            .secret
+            .iter()
+            .chain(&self.secrets)
+            .map(|s| expand(s))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let sha256 = self
+            .secret_sha256
+            .iter()
+            .map(|s| expand(s))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let agent = match (&self.agent_id, self.namespaces.is_empty()) {
+            (None, true) => None,
+            (agent_id, _) => Some(opgate_api::AgentScope {
+                agent_id: agent_id.clone().unwrap_or_default(),
+                namespaces: self.namespaces.clone(),
+            }),
+        };
+        Ok(opgate_api::Token::new(
+            &self.name, self.role, &secrets, &sha256, agent,
+        )?)
     }
 }
 
@@ -112,25 +158,16 @@ fn default_listen() -> std::net::SocketAddr {
 }
 
 impl ApiConfig {
-    /// The tokens with `${ENV}` expanded; an empty secret is refused.
+    /// The tokens with `${ENV}` expanded and secrets hashed; a short or empty secret,
+    /// or one shared by two tokens, is refused.
     pub fn tokens(&self) -> anyhow::Result<Vec<opgate_api::Token>> {
-        self.tokens
+        let tokens = self
+            .tokens
             .iter()
-            .map(|t| {
-                let secret = opgate_core::envsubst::expand(&t.secret, |n| std::env::var(n).ok())
-                    .with_context(|| format!("api.tokens `{}`", t.name))?;
-                anyhow::ensure!(
-                    !secret.trim().is_empty(),
-                    "api.tokens `{}`: the secret is empty",
-                    t.name
-                );
-                Ok(opgate_api::Token {
-                    name: t.name.clone(),
-                    secret,
-                    role: t.role,
-                })
-            })
-            .collect()
+            .map(TokenConfig::token)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        opgate_api::auth::check_tokens(&tokens)?;
+        Ok(tokens)
     }
 }
 
@@ -220,6 +257,7 @@ impl Config {
         let mut doc: toml::Table = toml::from_str(&text)
             .map_err(anyhow::Error::from)
             .with_context(|| format!("in {}", path.display()))?;
+        schema_paths_beside(&mut doc, path);
         let mut sources = Vec::new();
         for key in ENV_KEYS {
             let name = env_name(key);
@@ -277,6 +315,21 @@ impl Config {
         self.kafka
             .as_ref()
             .context("the config has no [kafka] table (brokers = \"host:9092\")")
+    }
+}
+
+/// A tool's `args_schema` given as a file path is relative to the config file.
+fn schema_paths_beside(doc: &mut toml::Table, config: &Path) {
+    let dir = config.parent().unwrap_or(Path::new(""));
+    let Some(toml::Value::Array(tools)) = doc.get_mut("tools") else {
+        return;
+    };
+    for tool in tools.iter_mut() {
+        if let Some(toml::Value::String(file)) = tool.get_mut("args_schema") {
+            if Path::new(file.as_str()).is_relative() {
+                *file = dir.join(&*file).display().to_string();
+            }
+        }
     }
 }
 
@@ -343,6 +396,44 @@ mod tests {
         let config = Config::parse(text).expect("the shipped example config is valid");
         assert!(config.registry.tool("capture_payment").is_some());
         assert!(config.kafka.is_some());
+    }
+
+    #[test]
+    fn tokens_are_hashed_scoped_and_checked() {
+        let config = Config::parse(
+            r#"
+[api]
+[[api.tokens]]
+name = "bot"
+role = "agent"
+agent_id = "support-bot"
+namespaces = ["acme"]
+secrets = ["new-secret-0123456789", "old-secret-0123456789"]
+[[api.tokens]]
+name = "ops"
+role = "operator"
+secret_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
+"#,
+        )
+        .expect("config");
+        let tokens = config.api.as_ref().expect("api").tokens().expect("tokens");
+        assert_eq!(tokens[0].digests.len(), 2, "both secrets of a rotation");
+        let scope = tokens[0].agent.as_ref().expect("scope");
+        assert_eq!(
+            (scope.agent_id.as_str(), scope.namespaces.len()),
+            ("support-bot", 1)
+        );
+        assert_eq!(tokens[1].role, opgate_api::Role::Operator);
+        // An agent without namespaces, an operator bound to an agent: refused, naming it.
+        for bad in [
+            "name = \"b\"\nrole = \"agent\"\nagent_id = \"x\"\nsecret = \"0123456789abcdef\"",
+            "name = \"b\"\nrole = \"operator\"\nagent_id = \"x\"\nsecret = \"0123456789abcdef\"",
+            "name = \"b\"\nrole = \"viewer\"\nsecret = \"short\"",
+        ] {
+            let config = Config::parse(&format!("[api]\n[[api.tokens]]\n{bad}")).expect("parses");
+            let err = config.api.as_ref().expect("api").tokens().expect_err(bad);
+            assert!(err.to_string().contains("api.tokens `b`"), "{err}");
+        }
     }
 
     #[test]

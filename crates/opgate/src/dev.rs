@@ -126,24 +126,36 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         Some(kafka) => {
             kafka.brokers.clone_from(&bootstrap);
             kafka.topic_prefix.clear();
+            kafka.client.extend(broker.kafka_config().client);
         }
-        None => config.kafka = Some(opgate_kafka::KafkaConfig::new(bootstrap.clone())),
+        None => config.kafka = Some(broker.kafka_config()),
     }
     config.database = Some(DatabaseConfig { url });
     let viewer = secret();
     let operator = secret();
+    let agent = secret();
     config.api = Some(ApiConfig {
         listen: args.api_listen,
         tokens: vec![
             TokenConfig {
                 name: "dev-viewer".into(),
                 role: opgate_api::Role::Viewer,
-                secret: viewer.clone(),
+                secret: Some(viewer.clone()),
+                ..TokenConfig::default()
             },
             TokenConfig {
                 name: "dev-operator".into(),
                 role: opgate_api::Role::Operator,
-                secret: operator.clone(),
+                secret: Some(operator.clone()),
+                ..TokenConfig::default()
+            },
+            TokenConfig {
+                name: "dev-agent".into(),
+                role: opgate_api::Role::Agent,
+                secret: Some(agent.clone()),
+                agent_id: Some(DEV_AGENT.into()),
+                namespaces: DEV_NAMESPACES.iter().map(|n| (*n).to_owned()).collect(),
+                ..TokenConfig::default()
             },
         ],
     });
@@ -157,7 +169,8 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.ready_file {
         let ready = json!({
             "kafka": bootstrap, "api": api, "sim": sim_url,
-            "tokens": {"viewer": viewer, "operator": operator},
+            "tokens": {"viewer": viewer, "operator": operator, "agent": agent},
+            "agent": {"agent_id": DEV_AGENT, "namespaces": DEV_NAMESPACES},
             "ledger": args.ledger.display().to_string(),
         });
         // Written whole (temp file + rename) so a reader never sees half of it.
@@ -218,6 +231,11 @@ fn secret() -> String {
     use rand::Rng as _;
     format!("dev_{:032x}", rand::rng().random::<u128>())
 }
+
+/// The agent `opgate dev`'s agent token is bound to, and its namespaces.
+pub const DEV_AGENT: &str = "dev-agent";
+/// See [`DEV_AGENT`].
+pub const DEV_NAMESPACES: &[&str] = &["default"];
 
 /// The tools and worker settings `opgate dev` uses without `--config`; every adapter
 /// points at the embedded simulated providers. Timeouts are short so the demo's

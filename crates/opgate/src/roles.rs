@@ -83,7 +83,7 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             "the api role needs at least one [[api.tokens]]"
         );
         let mut state =
-            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens);
+            opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens)?;
         if let Some(kafka) = &config.kafka {
             let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
             state = state.with_check(
@@ -337,6 +337,7 @@ mod tests {
             &registry,
             &proposal,
             Delivery {
+                principal: None,
                 source: Source::Http,
                 traceparent: None,
             },

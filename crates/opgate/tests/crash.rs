@@ -117,6 +117,7 @@ impl Setup {
             &self.registry,
             &proposal,
             Delivery {
+                principal: None,
                 source: Source::Http,
                 traceparent: None,
             },

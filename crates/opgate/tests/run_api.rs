@@ -81,7 +81,7 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
             .arg("--set")
             .arg(format!("metrics.listen=127.0.0.1:{metrics_port}"))
             .env("OPGATE_SIM_URL", format!("http://{sim_addr}"))
-            .env("TEST_OPERATOR_TOKEN", "s3cret")
+            .env("TEST_OPERATOR_TOKEN", "s3cret-s3cret-s3cret")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::from(
@@ -110,7 +110,7 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         "args": {"amount": "49.00", "currency": "usd"}});
     let created: Value = http
         .post(format!("{base}/v1/proposals"))
-        .bearer_auth("s3cret")
+        .bearer_auth("s3cret-s3cret-s3cret")
         .json(&proposal)
         .send()
         .await
@@ -125,7 +125,7 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .to_owned();
     let settled: Value = http
         .get(format!("{base}/v1/operations/{id}?wait=15s"))
-        .bearer_auth("s3cret")
+        .bearer_auth("s3cret-s3cret-s3cret")
         .send()
         .await
         .expect("get")

@@ -62,6 +62,7 @@ async fn two_dispatcher_processes_serialize_one_entity_in_ingest_order() {
                 &registry,
                 &proposal,
                 Delivery {
+                    principal: None,
                     source: Source::Http,
                     traceparent: None,
                 },

@@ -509,8 +509,14 @@ impl Shared {
         let mut pending = Vec::new();
         pending.push(0..items.len());
         while let Some(range) = pending.pop() {
+            let started = Instant::now();
             match self.ledger.ingest(&items[range.clone()]).await {
                 Ok(done) => {
+                    debug!(
+                        proposals = range.len(),
+                        ms = started.elapsed().as_secs_f64() * 1000.0,
+                        "batch stored"
+                    );
                     IngestStats::add(&self.stats.batches, 1);
                     outcomes.extend(done);
                 }
@@ -561,6 +567,7 @@ impl Shared {
             IngestItem::Rejected(r) => r.namespace.clone(),
         };
         let delivery = Delivery {
+            principal: None,
             source: Source::Kafka {
                 topic: self.proposals.clone(),
                 partition: record.partition,
@@ -612,6 +619,7 @@ impl Shared {
     /// is poison (not JSON, schema violation, oversize, unknown tool).
     fn classify(&self, record: &Record) -> (IngestItem, Option<DeadLetter>) {
         let delivery = Delivery {
+            principal: None,
             source: Source::Kafka {
                 topic: self.proposals.clone(),
                 partition: record.partition,

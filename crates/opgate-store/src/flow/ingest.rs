@@ -151,7 +151,7 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
                     let mut op = candidates[c].clone();
                     op.result_seq = 0;
                     outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
-                    events.push(c);
+                    events.push((c, env.delivery.principal.as_deref()));
                     queue.push(c);
                     (IngestDecision::Accepted, Some(op))
                 } else {
@@ -191,14 +191,15 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
 
     let created_events: Vec<NewEvent<'_>> = events
         .iter()
-        .map(|&c| NewEvent {
+        .map(|&(c, principal)| NewEvent {
             operation_id: candidates[c].operation_id,
             from: None,
             to: candidates[c].status,
             reason: "ingested",
             attempt_id: None,
             epoch: 0,
-            actor: None,
+            // Who proposed it, when it came through an authenticated interface.
+            actor: principal,
             at: now,
             detail: None,
         })
