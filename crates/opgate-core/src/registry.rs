@@ -269,6 +269,11 @@ pub struct AgentConfig {
     pub id: String,
     /// Tools this agent may propose.
     pub tools: Vec<String>,
+    /// When set, ingest requires its Kafka records to carry header `opgate-signature`:
+    /// the hex HMAC-SHA256 of the record's value under this secret (`${VAR}` expanded by
+    /// the ingest worker).
+    #[serde(default)]
+    pub signing_secret: Option<String>,
 }
 
 /// The `tools` and `agents` part of a config file; other tables are ignored here.
@@ -410,6 +415,7 @@ pub enum RegistryError {
 pub struct Registry {
     tools: BTreeMap<String, Tool>,
     agents: BTreeMap<String, BTreeSet<String>>,
+    signing: BTreeMap<String, String>,
 }
 
 impl Registry {
@@ -431,7 +437,11 @@ impl Registry {
             }
         }
         let mut agents = BTreeMap::new();
+        let mut signing = BTreeMap::new();
         for agent in config.agents {
+            if let Some(secret) = agent.signing_secret {
+                signing.insert(agent.id.clone(), secret);
+            }
             if let Some(unknown) = agent.tools.iter().find(|t| !tools.contains_key(*t)) {
                 return Err(RegistryError::Agent {
                     agent: agent.id.clone(),
@@ -441,7 +451,11 @@ impl Registry {
             }
             agents.insert(agent.id, agent.tools.into_iter().collect());
         }
-        Ok(Self { tools, agents })
+        Ok(Self {
+            tools,
+            agents,
+            signing,
+        })
     }
 
     /// A tool by name.
@@ -452,6 +466,12 @@ impl Registry {
     /// Every tool, by name.
     pub fn tools(&self) -> impl Iterator<Item = &Tool> {
         self.tools.values()
+    }
+
+    /// The agents whose Kafka proposals must be signed, with their secrets as written
+    /// (possibly `${VAR}`).
+    pub fn signing_secrets(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.signing.iter().map(|(a, s)| (a.as_str(), s.as_str()))
     }
 
     /// Whether `agent` may propose `tool`: `Ok(())`, or the rejection reason code.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use opgate_core::Limits;
 use opgate_kafka::config::PROPOSALS;
-use opgate_kafka::ingest::{AGENT_HEADER, TRACEPARENT};
+use opgate_kafka::ingest::{AGENT_HEADER, SIGNATURE_HEADER, TRACEPARENT, sign};
 use opgate_kafka::{IngestStats, ResultsRelay};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -517,4 +517,70 @@ async fn headers_are_carried_into_the_operation() {
         traceparent,
         "the trace continues on the result"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_signing_agent_s_unsigned_or_wrongly_signed_proposals_are_dead_lettered() {
+    let mut env = env(1).await;
+    let secret = "billing-signing-secret-0123";
+    env.registry = std::sync::Arc::new(
+        opgate_core::Registry::from_toml(&format!(
+            "{TOOLS}\n[[agents]]\nid = \"billing-bot\"\ntools = [\"pay\"]\nsigning_secret = \"{secret}\"\n"
+        ))
+        .expect("registry"),
+    );
+    let signed = |event: &str, order: &str, signature: Option<String>| {
+        let mut out = raw(
+            &format!("order:{order}"),
+            json!({"event_id": event, "namespace": "acme", "agent_id": "billing-bot", "tool": "pay",
+                "entity": {"type": "order", "id": order}, "args": {"amount": "1", "currency": "usd"}})
+            .to_string()
+            .as_bytes(),
+        );
+        let signature = signature.unwrap_or_else(|| sign(secret.as_bytes(), &out.value));
+        out.headers = vec![(SIGNATURE_HEADER.into(), signature)];
+        out
+    };
+    let good = signed("s1", "o1", None);
+    let mut unsigned = signed("s2", "o2", None);
+    unsigned.headers.clear();
+    let wrong_key = signed("s3", "o3", Some(sign(b"another-secret-0123456", b"x")));
+    // A signature of another value (a replayed header on edited content).
+    let replayed = signed("s4", "o4", Some(good.headers[0].1.clone()));
+    // The agent header names the signing agent though the body does not.
+    let mut by_header = proposal("s5", "o5", "1");
+    by_header.headers = vec![(AGENT_HEADER.into(), "billing-bot".into())];
+    produce(&env, &[good, unsigned, wrong_key, replayed, by_header]).await;
+    let worker = start_worker(&env, Limits::default(), 10);
+    let stats = worker.stats.clone();
+    eventually("five records decided", WAIT, || async {
+        total(&stats) >= 5
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(
+        IngestStats::get(&stats.accepted),
+        1,
+        "only the signed proposal"
+    );
+    assert_eq!(IngestStats::get(&stats.dead_lettered), 4);
+    let letters = read_topic(&env, DLQ_TOPIC, 4, WAIT).await;
+    let reasons: Vec<String> = letters
+        .iter()
+        .map(|m| headers_of(m)["opgate.dlq.reason"].clone())
+        .collect();
+    assert_eq!(reasons, vec!["bad_signature"; 4], "{reasons:?}");
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM inbox WHERE reason = 'bad_signature'")
+            .await,
+        4,
+        "each refusal is decided once in the inbox, so a redelivery is not re-examined"
+    );
+    let page = env
+        .ledger
+        .list(&opgate_store::ListFilter::default())
+        .await
+        .expect("list");
+    assert_eq!(page.operations.len(), 1);
+    assert_eq!(page.operations[0].event_id, "s1");
 }

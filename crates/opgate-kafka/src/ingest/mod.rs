@@ -14,6 +14,9 @@
 //! member (nothing commits past a batch it never stored).
 
 mod lane;
+mod signature;
+
+pub use signature::{SIGNATURE_HEADER, Signers, sign};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -173,6 +176,8 @@ struct Shared {
     health: Arc<IngestHealth>,
     ledger: SharedLedger,
     registry: Arc<Registry>,
+    /// Agents whose records must be signed.
+    signers: Signers,
     limits: Limits,
     proposals: String,
     dlq_topic: String,
@@ -209,6 +214,8 @@ impl IngestWorker {
         }
         let consumer: StreamConsumer<IngestContext> =
             consumer_config.create_with_context(IngestContext::default())?;
+        let signers =
+            Signers::from_registry(&registry, |n| std::env::var(n).ok()).map_err(Error::Config)?;
         Ok(Self {
             consumer: Arc::new(consumer),
             shared: Arc::new(Shared {
@@ -217,6 +224,7 @@ impl IngestWorker {
                 health: Arc::default(),
                 ledger,
                 registry,
+                signers,
                 limits,
                 proposals: config.topic(PROPOSALS),
                 dlq_topic: config.topic(DLQ),
@@ -680,6 +688,24 @@ impl Shared {
                 }
                 Some(_) => {}
             }
+        }
+        let signature = record.header(SIGNATURE_HEADER);
+        if let Err(message) =
+            self.signers
+                .check(proposal.agent_id.as_deref(), bytes, signature.as_deref())
+        {
+            let letter = DeadLetter {
+                reason: "bad_signature",
+                field: Some(SIGNATURE_HEADER.into()),
+                message: message.clone(),
+                event_id: Some(proposal.event_id.clone()),
+            };
+            let rejection = Rejection {
+                reason: "bad_signature",
+                message,
+            };
+            let rejected = RejectedProposal::of(&proposal, delivery, rejection);
+            return (IngestItem::Rejected(Box::new(rejected)), Some(letter));
         }
         let item = IngestItem::from_proposal(&self.registry, &proposal, delivery);
         let letter = match &item {
