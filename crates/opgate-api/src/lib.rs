@@ -1,7 +1,7 @@
 //! The admin HTTP API (DESIGN.md sections 6 and 9): bearer tokens with three roles.
 //!
-//! - agent (bound to an `agent_id` and namespaces): `POST /v1/proposals`, and its own
-//!   operations through the read routes;
+//! - agent (bound to an `agent_id` and namespaces): `POST /v1/proposals`, its own
+//!   operations through the read routes, and `GET /v1/tools` (the tools it may propose);
 //! - viewer: `GET /v1/operations` (filters, cursor), `GET /v1/operations/{id}` (`?wait=10s`
 //!   long-polls until settled), `GET /v1/operations/{id}/events`, `GET /metrics`;
 //! - operator: everything a viewer may, plus `POST /v1/proposals` and `POST
@@ -81,6 +81,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/operations/{id}/events", get(routes::get_events))
         .route("/v1/operations/{id}/{action}", post(routes::act))
         .route("/v1/proposals", post(routes::propose))
+        .route("/v1/tools", get(routes::list_tools))
         .route("/metrics", get(health::metrics))
         .layer(middleware::from_fn_with_state(
             state.clone(),

@@ -19,7 +19,8 @@ use crate::ApiState;
 use crate::auth::{Principal, Role};
 use crate::error::ApiError;
 use crate::views::{
-    CompensationAnswer, EventView, EventsView, OperationView, PageView, ProposalAnswer,
+    CompensationAnswer, EventView, EventsView, OperationView, PageView, ProposalAnswer, ToolView,
+    ToolsView,
 };
 
 fn parse_id(id: &str) -> Result<Uuid, ApiError> {
@@ -33,6 +34,22 @@ async fn visible(state: &ApiState, caller: &Principal, id: Uuid) -> Result<Opera
         Some(op) if caller.may_read(&op) => Ok(op),
         _ => Err(ApiError::operation_not_found(id)),
     }
+}
+
+/// `GET /v1/tools` (any token): the registry as agents see it. An agent token sees the
+/// tools its `[[agents]]` allowlist lets it propose.
+pub(crate) async fn list_tools(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Principal>,
+) -> Json<ToolsView> {
+    let agent = caller.agent.as_ref().map(|a| a.agent_id.as_str());
+    let tools = state
+        .registry
+        .tools()
+        .filter(|t| caller.role != Role::Agent || state.registry.allows(agent, &t.name).is_ok())
+        .map(ToolView::from)
+        .collect();
+    Json(ToolsView { tools })
 }
 
 #[derive(Debug, Deserialize)]

@@ -43,6 +43,11 @@ pub struct OperationView {
     pub side_effect_class: String,
     /// State.
     pub status: String,
+    /// What the proposing agent should do next (`none`, `wait_for_result`,
+    /// `reconcile_before_retry`, `wait_for_person`, `do_not_retry`).
+    pub retry_recommendation: String,
+    /// A message safe to show an end user.
+    pub safe_user_message: String,
     /// Attempts so far.
     pub attempt_count: u32,
     /// When the next attempt or lookup is due.
@@ -88,6 +93,9 @@ impl From<&Operation> for OperationView {
             canonical_args: op.canonical_args.clone(),
             side_effect_class: op.side_effect_class.as_str().to_owned(),
             status: op.status.as_str().to_owned(),
+            retry_recommendation: opgate_core::operation::retry_recommendation(op.status)
+                .to_owned(),
+            safe_user_message: opgate_core::operation::safe_user_message(op.status).to_owned(),
             attempt_count: op.attempt_count,
             next_attempt_at: op.next_attempt_at.map(format_utc),
             lease_owner: op.lease_owner.clone(),
@@ -206,4 +214,68 @@ pub struct ErrorDetail {
     pub code: String,
     /// For people.
     pub message: String,
+}
+
+/// A tool of the registry as agents see it (`GET /v1/tools`): what to call, what it
+/// does, and the JSON Schema of its arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolView {
+    /// Name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// Side-effect class.
+    pub side_effect_class: String,
+    /// The entity type it acts on, when declared.
+    pub entity_type: Option<String>,
+    /// Whether a person approves each operation before it is sent.
+    pub approval_required: bool,
+    /// Declared intents (a proposal must name one when present).
+    pub intents: Vec<String>,
+    /// `business` (the key comes from the arguments) or `workflow_step` (from the
+    /// proposal's `workflow_id` and `step`, which it must carry).
+    pub key_strategy: String,
+    /// JSON Schema of the arguments (the tool's `args_schema`, or one built from its
+    /// declared and required arguments).
+    pub args_schema: Value,
+}
+
+impl From<&opgate_core::registry::Tool> for ToolView {
+    fn from(tool: &opgate_core::registry::Tool) -> Self {
+        let args_schema = match &tool.args_schema {
+            Some(schema) => schema.json().clone(),
+            None => {
+                let mut properties = serde_json::Map::new();
+                for name in tool.args.keys().chain(&tool.required) {
+                    properties.insert(name.clone(), serde_json::json!({}));
+                }
+                serde_json::json!({
+                    "type": "object",
+                    "properties": properties,
+                    "required": tool.required,
+                })
+            }
+        };
+        Self {
+            name: tool.name.clone(),
+            description: tool.description.clone(),
+            side_effect_class: tool.side_effect_class.as_str().to_owned(),
+            entity_type: tool.entity.clone(),
+            approval_required: tool.approval == opgate_core::registry::Approval::Required,
+            intents: tool.intents.clone(),
+            key_strategy: match tool.key_strategy {
+                opgate_core::registry::KeyStrategy::Business => "business",
+                opgate_core::registry::KeyStrategy::WorkflowStep => "workflow_step",
+            }
+            .to_owned(),
+            args_schema,
+        }
+    }
+}
+
+/// The registry (`GET /v1/tools`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolsView {
+    /// By name.
+    pub tools: Vec<ToolView>,
 }

@@ -118,10 +118,10 @@ pub fn canonicalize_args(tool: &Tool, raw: &Map<String, Value>) -> Result<Value,
     {
         return Err(ArgError::Missing(missing.clone()));
     }
-    if tool.unknown_args == UnknownArgs::Reject {
-        if let Some(unknown) = args.keys().find(|k| !tool.declares_arg(k)) {
-            return Err(ArgError::Unknown(unknown.clone()));
-        }
+    if tool.unknown_args == UnknownArgs::Reject
+        && let Some(unknown) = args.keys().find(|k| !tool.declares_arg(k))
+    {
+        return Err(ArgError::Unknown(unknown.clone()));
     }
     let currency = args
         .get("currency")

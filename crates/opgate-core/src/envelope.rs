@@ -308,16 +308,16 @@ fn prepare_checked(
             ));
         }
     }
-    if let Some(kind) = &tool.entity {
-        if *kind != proposal.entity.kind {
-            return Err(reject(
-                "entity_type_mismatch",
-                format!(
-                    "tool `{}` acts on `{kind}`, not `{}`",
-                    tool.name, proposal.entity.kind
-                ),
-            ));
-        }
+    if let Some(kind) = &tool.entity
+        && *kind != proposal.entity.kind
+    {
+        return Err(reject(
+            "entity_type_mismatch",
+            format!(
+                "tool `{}` acts on `{kind}`, not `{}`",
+                tool.name, proposal.entity.kind
+            ),
+        ));
     }
     if let Some(schema) = &tool.args_schema {
         schema

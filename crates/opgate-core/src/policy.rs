@@ -496,11 +496,10 @@ mod tests {
             let mut ambiguous: Option<OffsetDateTime> = None;
             let mut t = T0;
             for (i, (_, d, before)) in played.iter().enumerate() {
-                if i > 0 {
-                    if let Some(since) = before.or(ambiguous) {
+                if i > 0
+                    && let Some(since) = before.or(ambiguous) {
                         prop_assert!(resend_is_safe(tool, Some(since), t), "blind resend on {}", tool.name);
                     }
-                }
                 ambiguous = d.ambiguity.apply(ambiguous);
                 t += time::Duration::milliseconds(300) + time::Duration::seconds(steps[i].1 as i64);
             }

@@ -815,11 +815,11 @@ fn score_effects(
 fn first_published(workload: &Workload, published: &HashMap<String, u64>) -> HashMap<usize, u64> {
     let mut first: HashMap<usize, u64> = HashMap::new();
     for r in &workload.records {
-        if let (Some(event), Some(intent)) = (&r.event_id, r.intent) {
-            if let Some(at) = published.get(event) {
-                let slot = first.entry(intent).or_insert(*at);
-                *slot = (*slot).min(*at);
-            }
+        if let (Some(event), Some(intent)) = (&r.event_id, r.intent)
+            && let Some(at) = published.get(event)
+        {
+            let slot = first.entry(intent).or_insert(*at);
+            *slot = (*slot).min(*at);
         }
     }
     first

@@ -61,10 +61,10 @@ async fn one_operation_per_intent(batch: usize) {
     }
     let mut operations_of_intent: HashMap<usize, HashSet<&str>> = HashMap::new();
     for r in &w.records {
-        if let (Some(e), Some(i)) = (&r.event_id, r.intent) {
-            if let Some(op) = operation_of.get(e) {
-                operations_of_intent.entry(i).or_default().insert(op);
-            }
+        if let (Some(e), Some(i)) = (&r.event_id, r.intent)
+            && let Some(op) = operation_of.get(e)
+        {
+            operations_of_intent.entry(i).or_default().insert(op);
         }
     }
     let split: Vec<_> = operations_of_intent

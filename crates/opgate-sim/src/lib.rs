@@ -315,10 +315,8 @@ impl Sim {
     ) -> Value {
         let mut inner = self.lock();
         let dedupes = provider != "emails";
-        if dedupes {
-            if let Some(stored) = inner.records.get(&(provider, key.to_owned())) {
-                return stored.body.clone();
-            }
+        if dedupes && let Some(stored) = inner.records.get(&(provider, key.to_owned())) {
+            return stored.body.clone();
         }
         let id = inner.next_id;
         inner.next_id += 1;

@@ -53,10 +53,10 @@ impl Changes {
 
     /// Waits for a change not yet seen; never returns when the signal is gone.
     pub async fn changed(&mut self) {
-        if let Some(rx) = &mut self.0 {
-            if rx.changed().await.is_ok() {
-                return;
-            }
+        if let Some(rx) = &mut self.0
+            && rx.changed().await.is_ok()
+        {
+            return;
         }
         std::future::pending().await
     }

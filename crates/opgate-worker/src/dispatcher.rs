@@ -159,14 +159,14 @@ impl Dispatcher {
         config: DispatcherConfig,
     ) -> Result<Self, ConfigError> {
         for tool in registry.tools() {
-            if let Some(adapter) = &tool.adapter {
-                if config.lease <= adapter.timeout * 2 {
-                    return Err(ConfigError::LeaseTooShort {
-                        lease: config.lease,
-                        tool: tool.name.clone(),
-                        timeout: adapter.timeout,
-                    });
-                }
+            if let Some(adapter) = &tool.adapter
+                && config.lease <= adapter.timeout * 2
+            {
+                return Err(ConfigError::LeaseTooShort {
+                    lease: config.lease,
+                    tool: tool.name.clone(),
+                    timeout: adapter.timeout,
+                });
             }
         }
         let per_tool = registry

@@ -325,10 +325,10 @@ fn schema_paths_beside(doc: &mut toml::Table, config: &Path) {
         return;
     };
     for tool in tools.iter_mut() {
-        if let Some(toml::Value::String(file)) = tool.get_mut("args_schema") {
-            if Path::new(file.as_str()).is_relative() {
-                *file = dir.join(&*file).display().to_string();
-            }
+        if let Some(toml::Value::String(file)) = tool.get_mut("args_schema")
+            && Path::new(file.as_str()).is_relative()
+        {
+            *file = dir.join(&*file).display().to_string();
         }
     }
 }

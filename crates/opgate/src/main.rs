@@ -12,6 +12,7 @@ mod bench_e2e;
 mod cli;
 mod config;
 mod dev;
+mod mcp;
 mod roles;
 
 use std::path::PathBuf;
@@ -85,6 +86,9 @@ enum Command {
     Propose(cli::ProposeArgs),
     /// Inspect and act on operations through the admin API.
     Ops(cli::OpsArgs),
+    /// A Model Context Protocol server (stdio, or streamable HTTP with --http): the
+    /// registry's tools, each call a proposal answered from the ledger.
+    Mcp(mcp::McpArgs),
     /// The seeds' KPIs (duplicate effects, lost proposals, false and missed dedupes,
     /// ambiguity resolved, latency) for opgate and a naive baseline on one labelled
     /// workload, with provider faults and chaos; exits non-zero on any duplicate effect,
@@ -231,6 +235,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => eval(args).await?,
         Command::Propose(args) => cli::propose(args).await?,
         Command::Ops(args) => cli::ops(args).await?,
+        Command::Mcp(args) => mcp::mcp(args).await?,
         Command::Bench {
             command: BenchCommand::Ingest(opts),
         } => bench::ingest(opts).await?,

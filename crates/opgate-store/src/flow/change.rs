@@ -115,13 +115,14 @@ pub(super) fn plan_change<'a>(
         }
     };
     let mut detail = c.detail;
-    if from == Status::UnknownOutcome && to != Status::UnknownOutcome {
-        if let Some(since) = op.unknown_since.take() {
-            let waited = (now - since).whole_milliseconds();
-            let mut d = detail.unwrap_or_else(|| json!({}));
-            d["unknown_for_ms"] = json!(waited);
-            detail = Some(d);
-        }
+    if from == Status::UnknownOutcome
+        && to != Status::UnknownOutcome
+        && let Some(since) = op.unknown_since.take()
+    {
+        let waited = (now - since).whole_milliseconds();
+        let mut d = detail.unwrap_or_else(|| json!({}));
+        d["unknown_for_ms"] = json!(waited);
+        detail = Some(d);
     }
     if to == Status::UnknownOutcome && from != Status::UnknownOutcome {
         op.unknown_since = Some(now);

@@ -92,21 +92,21 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
                     )
                 }
             };
-            if let (Some(first), Some(this)) = (first.as_deref(), item.content_fingerprint()) {
-                if first != this {
-                    // The same event id with other content: not a redelivery. Answered
-                    // as refused; the first decision stands.
-                    outbox.push(rejection_row(&event_id_conflict(item, &decision), now)?);
-                    outcomes.push(IngestOutcome {
-                        event_id: event_id.to_owned(),
-                        decision: IngestDecision::Rejected {
-                            reason: "event_id_conflict".into(),
-                        },
-                        inbox_hit: false,
-                        operation: None,
-                    });
-                    continue;
-                }
+            if let (Some(first), Some(this)) = (first.as_deref(), item.content_fingerprint())
+                && first != this
+            {
+                // The same event id with other content: not a redelivery. Answered
+                // as refused; the first decision stands.
+                outbox.push(rejection_row(&event_id_conflict(item, &decision), now)?);
+                outcomes.push(IngestOutcome {
+                    event_id: event_id.to_owned(),
+                    decision: IngestDecision::Rejected {
+                        reason: "event_id_conflict".into(),
+                    },
+                    inbox_hit: false,
+                    operation: None,
+                });
+                continue;
             }
             outcomes.push(IngestOutcome {
                 event_id: event_id.to_owned(),
@@ -216,10 +216,10 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     }
     // A dedupe outcome reports the operation as it stands after the whole batch.
     for outcome in &mut outcomes {
-        if let Some(op) = &mut outcome.operation {
-            if let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone())) {
-                *op = latest.clone();
-            }
+        if let Some(op) = &mut outcome.operation
+            && let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone()))
+        {
+            *op = latest.clone();
         }
     }
     let inbox_rows: Vec<(&str, &IngestDecision, Option<Uuid>)> = decisions
