@@ -458,6 +458,42 @@ secret_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
     }
 
     /// A config file in the temp dir, removed on drop.
+    #[test]
+    fn an_args_schema_file_is_read_beside_the_config_and_a_bad_schema_is_named() {
+        let dir = std::env::temp_dir().join(format!("opgate-schema-{}", uuid::Uuid::now_v7()));
+        std::fs::create_dir_all(dir.join("schemas")).expect("dir");
+        std::fs::write(
+            dir.join("schemas/pay.json"),
+            r#"{"type": "object", "properties": {"amount": {"type": "string", "pattern": "^[0-9]"}}}"#,
+        )
+        .expect("schema");
+        let tool = "[[tools]]\nname = \"pay\"\nside_effect_class = \"irreversible\"\n";
+        let path = dir.join("opgate.toml");
+        std::fs::write(&path, format!("{tool}args_schema = \"schemas/pay.json\"\n"))
+            .expect("config");
+        let config = Config::load_layered(&path, |_| None, &[]).expect("loads");
+        let schema = config
+            .registry
+            .tool("pay")
+            .and_then(|t| t.args_schema.as_ref())
+            .expect("the schema file was read");
+        let args = serde_json::json!({"amount": "-1"});
+        let err = schema
+            .check(args.as_object().expect("object"))
+            .expect_err("refused");
+        assert!(err.contains("`/amount`"), "{err}");
+        // A schema that is not valid JSON Schema names the tool and field.
+        let err = Config::parse(&format!(
+            "{tool}[tools.args_schema]\ntype = \"object\"\nproperties = {{ amount = {{ type = 5 }} }}\n"
+        ))
+        .expect_err("invalid schema");
+        assert!(
+            format!("{err:#}").contains("tool `pay`: field `args_schema`"),
+            "{err:#}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     mod tempfile_path {
         pub struct Path(pub std::path::PathBuf);
         impl Path {
