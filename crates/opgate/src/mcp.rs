@@ -21,6 +21,10 @@ pub struct McpArgs {
     /// brings its own `Authorization: Bearer` token.
     #[arg(long, env = "OPGATE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Take the API's address from this opgate config's `[api] listen` (instead of
+    /// --api-url).
+    #[arg(long, short, conflicts_with = "dev")]
+    pub config: Option<PathBuf>,
     /// The namespace proposals go to.
     #[arg(long, default_value = "default")]
     pub namespace: String,
@@ -49,7 +53,7 @@ pub async fn mcp(args: McpArgs) -> anyhow::Result<()> {
             let ready = dev.ready.clone();
             (Some(dev), ready)
         }
-        false => (None, json!({"api": args.api_url})),
+        false => (None, json!({"api": api_url(&args)?})),
     };
     let config = opgate_mcp::McpConfig {
         api_url: ready["api"].as_str().unwrap_or(&args.api_url).to_owned(),
@@ -84,6 +88,23 @@ pub async fn mcp(args: McpArgs) -> anyhow::Result<()> {
     };
     drop(dev);
     result
+}
+
+/// `--api-url`, or the address a config's `[api] listen` serves on.
+fn api_url(args: &McpArgs) -> anyhow::Result<String> {
+    let Some(path) = &args.config else {
+        return Ok(args.api_url.clone());
+    };
+    let config = crate::config::Config::load_layered(path, |n| std::env::var(n).ok(), &[])?;
+    let api = config
+        .api
+        .as_ref()
+        .with_context(|| format!("{} has no [api] table", path.display()))?;
+    let mut addr = api.listen;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    Ok(format!("http://{addr}"))
 }
 
 fn write_ready(path: Option<&PathBuf>, ready: &Value) -> anyhow::Result<()> {
@@ -140,5 +161,35 @@ impl Dev {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<PathBuf>) -> McpArgs {
+        McpArgs {
+            api_url: "http://given:1".into(),
+            token: None,
+            config,
+            namespace: "default".into(),
+            wait: "20s".into(),
+            http: None,
+            dev: false,
+            ready_file: None,
+        }
+    }
+
+    #[test]
+    fn the_api_address_comes_from_the_flag_or_the_config() {
+        assert_eq!(api_url(&args(None)).expect("url"), "http://given:1");
+        let path = std::env::temp_dir().join(format!("opgate-mcp-{}.toml", uuid::Uuid::now_v7()));
+        std::fs::write(&path, "[api]\nlisten = \"0.0.0.0:8181\"\n").expect("write");
+        assert_eq!(
+            api_url(&args(Some(path.clone()))).expect("url"),
+            "http://127.0.0.1:8181"
+        );
+        let _ = std::fs::remove_file(path);
     }
 }
