@@ -107,7 +107,14 @@ pub(crate) async fn list_operations(
             Status::parse(s).ok_or_else(|| {
                 ApiError::bad_request(
                     "invalid_status",
-                    format!("status `{s}` is not an operation state"),
+                    format!(
+                        "status `{s}` is not an operation state (one of: {})",
+                        Status::ALL
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
                 )
             })
         })

@@ -760,3 +760,21 @@ async fn args_schema_refusals_name_the_path() {
     assert_eq!(s, StatusCode::CREATED, "{body}");
     assert_eq!(body["operation"]["canonical_args"]["amount"], 4900);
 }
+
+#[tokio::test]
+async fn a_bad_status_filter_lists_the_states() {
+    let a = api().await;
+    let (s, body) = a
+        .call("GET", "/v1/operations?status=bogus", VIEWER, None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let m = message(&body);
+    for state in [
+        "pending_dispatch",
+        "unknown_outcome",
+        "needs_attention",
+        "compensated",
+    ] {
+        assert!(m.contains(state), "{m}");
+    }
+}

@@ -54,6 +54,9 @@ pub enum Error {
     /// A request the ledger's current contents contradict (e.g. a key already taken).
     #[error("conflict: {0}")]
     Conflict(String),
+    /// A database URL opgate cannot use.
+    #[error("{0}")]
+    Url(String),
     /// A row the store wrote cannot be read back (a bug or manual edit).
     #[error("corrupt row: {0}")]
     Corrupt(String),

@@ -113,7 +113,7 @@ pub type SharedLedger = Arc<dyn Ledger>;
 /// Opens the ledger a URL names: `postgres://...` or `sqlite://PATH` / `sqlite:PATH`.
 /// It refuses a schema newer than this build knows, and one that is not migrated.
 pub async fn open(url: &str) -> Result<SharedLedger> {
-    let ledger: SharedLedger = if is_postgres(url) {
+    let ledger: SharedLedger = if is_postgres(check_scheme(url)?) {
         Arc::new(PgLedger::connect(url).await?)
     } else {
         Arc::new(SqliteLedger::open(url).await?)
@@ -124,7 +124,7 @@ pub async fn open(url: &str) -> Result<SharedLedger> {
 
 /// Applies pending migrations to the database a URL names and reports the version.
 pub async fn migrate(url: &str) -> Result<SchemaStatus> {
-    if is_postgres(url) {
+    if is_postgres(check_scheme(url)?) {
         let ledger = PgLedger::connect(url).await?;
         ledger.migrate().await?;
         ledger.schema_status().await
@@ -132,6 +132,16 @@ pub async fn migrate(url: &str) -> Result<SchemaStatus> {
         let ledger = SqliteLedger::open(url).await?;
         ledger.migrate().await?;
         ledger.schema_status().await
+    }
+}
+
+/// Refuses a URL of another database (`mysql://...` is not a SQLite file name).
+fn check_scheme(url: &str) -> Result<&str> {
+    match url.split_once("://") {
+        Some(("postgres" | "postgresql" | "sqlite", _)) | None => Ok(url),
+        Some((scheme, _)) => Err(Error::Url(format!(
+            "unsupported database URL scheme `{scheme}://`: the ledger is PostgreSQL (postgres://user@host/db) or SQLite (sqlite://PATH)"
+        ))),
     }
 }
 
@@ -148,4 +158,25 @@ pub(crate) fn retry_policy() -> backon::ExponentialBuilder {
         .with_max_delay(std::time::Duration::from_millis(500))
         .with_max_times(8)
         .with_jitter()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn another_database_s_url_is_refused_naming_the_scheme() {
+        for url in ["mysql://root@127.0.0.1/test", "redis://x"] {
+            let err = match open(url).await {
+                Ok(_) => panic!("{url} opened"),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains("unsupported database URL scheme"), "{err}");
+            let err = migrate(url).await.expect_err(url).to_string();
+            assert!(err.contains(&url[..url.find(':').unwrap_or(0)]), "{err}");
+        }
+        assert!(check_scheme("sqlite://a.db").is_ok());
+        assert!(check_scheme("postgresql://h/db").is_ok());
+        assert!(check_scheme("plain/file.db").is_ok());
+    }
 }

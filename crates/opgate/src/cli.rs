@@ -264,11 +264,11 @@ pub async fn propose(args: ProposeArgs) -> anyhow::Result<()> {
     };
     if args.api.json {
         let mut out = answer.clone();
-        if let Some(op) = settled {
-            out.operation = Some(op);
+        if let Some(op) = &settled {
+            out.operation = Some(op.clone());
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return unsettled(&args.wait, settled.as_ref());
     }
     println!(
         "{} {}{}",
@@ -289,7 +289,19 @@ pub async fn propose(args: ProposeArgs) -> anyhow::Result<()> {
     if answer.decision == "rejected" {
         bail!("the proposal was rejected");
     }
-    Ok(())
+    unsettled(&args.wait, settled.as_ref())
+}
+
+/// `propose --wait` fails when the operation has not settled in time.
+fn unsettled(wait: &Option<String>, settled: Option<&OperationView>) -> anyhow::Result<()> {
+    match (wait, settled) {
+        (Some(wait), Some(op)) if !op.is_settled() => bail!(
+            "operation {} is still {} after --wait {wait} (is a dispatcher running?)",
+            op.operation_id,
+            op.status
+        ),
+        _ => Ok(()),
+    }
 }
 
 fn build_proposal(args: &ProposeArgs) -> anyhow::Result<Value> {

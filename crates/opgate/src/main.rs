@@ -30,8 +30,17 @@ use config::Config;
     about = "The execution layer between LLM agents and the side effects they ask for: the model proposes, opgate commits."
 )]
 struct Cli {
+    /// Log lines as `text` (colours only on a terminal) or `json` (one object per line).
+    #[arg(long, global = true, env = "OPGATE_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -39,8 +48,11 @@ enum Command {
     /// Apply the ledger migrations (PostgreSQL or SQLite) and print the schema version.
     Migrate {
         /// `postgres://...` or `sqlite://PATH`.
-        #[arg(long, env = "OPGATE_DATABASE_URL")]
-        database_url: String,
+        #[arg(long, env = "OPGATE_DATABASE_URL", required_unless_present = "config")]
+        database_url: Option<String>,
+        /// Or the config file whose `[database] url` to migrate.
+        #[arg(long, short, conflicts_with = "database_url")]
+        config: Option<PathBuf>,
     },
     /// Configuration commands.
     Config {
@@ -140,13 +152,18 @@ async fn main() -> ExitCode {
         Command::Eval(_) => "warn,rdkafka=off,librdkafka=off",
         _ => "info,rdkafka=warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_filter.into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        // Colour codes only where a person reads them (not in a file or a collector).
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().init(),
+    }
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -158,7 +175,17 @@ async fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Migrate { database_url } => {
+        Command::Migrate {
+            database_url,
+            config,
+        } => {
+            let database_url = match (database_url, config) {
+                (Some(url), _) => url,
+                (None, Some(path)) => {
+                    Config::load_layered(&path, |n| std::env::var(n).ok(), &[])?.database_url()?
+                }
+                (None, None) => bail!("give --database-url or --config"),
+            };
             let status = opgate_store::migrate(&database_url)
                 .await
                 .context("migrating the ledger")?;

@@ -509,3 +509,115 @@ external_id_pointer = "/ticket_id"
     child.kill().expect("kill");
     let _ = child.wait();
 }
+
+/// `opgate ARGS` to completion: (success, stdout, stderr).
+fn opgate(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(args)
+        .output()
+        .expect("run opgate");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn version_migrate_config_and_a_foreign_database_url() {
+    let (ok, out, _) = opgate(&["--version"]);
+    assert!(
+        ok && out.trim() == format!("opgate {}", env!("CARGO_PKG_VERSION")),
+        "{out}"
+    );
+    assert_ne!(env!("CARGO_PKG_VERSION"), "0.0.0");
+    let dir = temp_dir("migrate");
+    let config = dir.join("opgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{}\"\n",
+            dir.join("m.db").display()
+        ),
+    )
+    .expect("config");
+    let (ok, out, err) = opgate(&["migrate", "--config", config.to_str().expect("utf-8")]);
+    assert!(ok, "{err}");
+    assert!(out.contains("ledger schema at version"), "{out}");
+    let (ok, _, err) = opgate(&["migrate", "--database-url", "mysql://root@127.0.0.1/test"]);
+    assert!(!ok);
+    assert!(
+        err.contains("unsupported database URL scheme `mysql://`"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "one line per failure: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn propose_wait_fails_when_nothing_settles_the_operation() {
+    let dir = temp_dir("nowait");
+    // No dispatcher: the operation stays pending_dispatch.
+    let (_child, ready) = spawn_dev(&dir, &["--roles".as_ref(), "ingest,relay,api".as_ref()]);
+    let api = ready["api"].as_str().expect("api");
+    let operator = ready["tokens"]["operator"].as_str().expect("operator");
+    let (ok, _, err) = opgate(&[
+        "propose",
+        "--api-url",
+        api,
+        "--token",
+        operator,
+        "--tool",
+        "capture_payment",
+        "--entity",
+        "order:o1",
+        "--args",
+        r#"{"amount": "1.00", "currency": "usd"}"#,
+        "--wait",
+        "1s",
+    ]);
+    assert!(!ok, "an unsettled operation after --wait is a failure");
+    assert!(
+        err.contains("still pending_dispatch after --wait 1s"),
+        "{err}"
+    );
+}
+
+#[test]
+fn logs_written_to_a_file_carry_no_colour_codes_and_json_logs_are_json() {
+    for format in ["text", "json"] {
+        let dir = temp_dir(&format!("logs-{format}"));
+        let log = dir.join("stderr.log");
+        let ready_file = dir.join("ready.json");
+        let mut child = support::Reaped::spawn(
+            Command::new(env!("CARGO_BIN_EXE_opgate"))
+                .args(["--log-format", format, "dev", "--fresh"])
+                .args(["--api-listen", "127.0.0.1:0", "--sim-listen", "127.0.0.1:0"])
+                .arg("--ledger")
+                .arg(dir.join("dev.db"))
+                .arg("--ready-file")
+                .arg(&ready_file)
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).expect("log")),
+        );
+        wait_for(&ready_file);
+        support::terminate(&mut child, "opgate dev");
+        let text = std::fs::read_to_string(&log).expect("log");
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(lines.len() >= 3, "some log lines: {text}");
+        assert!(
+            !text.contains('\u{1b}'),
+            "no ANSI escape in a file ({format}): {text}"
+        );
+        if format == "json" {
+            for line in lines {
+                let v: Value =
+                    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+                assert!(
+                    v.get("level").is_some() && v.get("fields").is_some(),
+                    "{line}"
+                );
+            }
+        }
+    }
+}
