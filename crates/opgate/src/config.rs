@@ -258,6 +258,17 @@ impl Config {
             .map_err(anyhow::Error::from)
             .with_context(|| format!("in {}", path.display()))?;
         schema_paths_beside(&mut doc, path);
+        // Every string value's `${NAME}`s, expanded here (so no key takes one literally),
+        // and every unset one named at once.
+        let mut missing = Vec::new();
+        expand_strings(&mut doc, &env, &mut missing);
+        if !missing.is_empty() {
+            anyhow::bail!(
+                "{}: environment variables referenced but not set: {}",
+                path.display(),
+                missing.join(", ")
+            );
+        }
         let mut sources = Vec::new();
         for key in ENV_KEYS {
             let name = env_name(key);
@@ -274,10 +285,20 @@ impl Config {
             sources.push(format!("--set {}", key.trim()));
         }
         let layered = toml::to_string(&doc)?;
-        Self::parse(&layered).with_context(|| match sources.is_empty() {
-            true => format!("in {}", path.display()),
-            false => format!("in {} with {}", path.display(), sources.join(", ")),
-        })
+        match Self::parse(&layered) {
+            Ok(config) => Ok(config),
+            // The layered text is re-serialized, so its line numbers are not the file's:
+            // when the file alone has the error, report it against the file's own text.
+            Err(e) => match Self::parse(&text) {
+                Err(in_file) if sources.is_empty() || !same_error(&e, &in_file) => {
+                    Err(in_file).with_context(|| format!("in {}", path.display()))
+                }
+                _ => Err(e).with_context(|| match sources.is_empty() {
+                    true => format!("in {}", path.display()),
+                    false => format!("in {} with {}", path.display(), sources.join(", ")),
+                }),
+            },
+        }
     }
 
     /// Parses and validates config text.
@@ -316,6 +337,41 @@ impl Config {
             .as_ref()
             .context("the config has no [kafka] table (brokers = \"host:9092\")")
     }
+}
+
+/// Whether two errors say the same thing apart from where (line numbers, snippets).
+fn same_error(a: &anyhow::Error, b: &anyhow::Error) -> bool {
+    let last = |e: &anyhow::Error| {
+        format!("{e:#}")
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    last(a) == last(b)
+}
+
+/// Expands `${NAME}` in every string of a TOML document (keys untouched).
+fn expand_strings(
+    doc: &mut toml::Table,
+    env: &impl Fn(&str) -> Option<String>,
+    missing: &mut Vec<String>,
+) {
+    fn walk(
+        value: &mut toml::Value,
+        env: &impl Fn(&str) -> Option<String>,
+        missing: &mut Vec<String>,
+    ) {
+        match value {
+            toml::Value::String(s) if s.contains("${") => {
+                *s = opgate_core::envsubst::expand_keeping_escapes(s, env, missing);
+            }
+            toml::Value::Array(items) => items.iter_mut().for_each(|v| walk(v, env, missing)),
+            toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| walk(v, env, missing)),
+            _ => {}
+        }
+    }
+    doc.iter_mut().for_each(|(_, v)| walk(v, env, missing));
 }
 
 /// A tool's `args_schema` given as a file path is relative to the config file.
@@ -492,6 +548,57 @@ secret_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
             "{err:#}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_config_error_is_reported_at_the_file_s_own_line() {
+        let mut text = String::from("[worker]\nbatch = 4\n\n");
+        for n in 0..12 {
+            text.push_str(&format!(
+                "[[tools]]\nname = \"t{n}\"\nside_effect_class = \"read\"\n\n"
+            ));
+        }
+        let bad_line = text.lines().count() + 3;
+        text.push_str("[[tools]]\nname = \"bad\"\nside_effect_class = \"irreversable\"\n");
+        let f = file(&text);
+        let err = Config::load_layered(&f.0, |_| None, &[]).expect_err("typo");
+        let err = format!("{err:#}");
+        assert!(err.contains(&format!("line {bad_line}")), "{err}");
+        assert!(err.contains("irreversable"), "{err}");
+        // An unknown key in one table, reported where it is.
+        let f = file("[kafka]\nbrokers = \"b\"\n\n[worker]\nbatch = 4\nlease_msx = 1\n");
+        let err = format!(
+            "{:#}",
+            Config::load_layered(&f.0, |_| None, &["worker.batch=8".into()]).expect_err("typo")
+        );
+        assert!(err.contains("lease_msx") && err.contains("line 6"), "{err}");
+    }
+
+    #[test]
+    fn every_unset_variable_is_named_at_once_and_every_string_is_expanded() {
+        let f = file(
+            "[database]\nurl = \"${DB}\"\n[kafka]\nbrokers = \"${BROKERS}\"\ntopic_prefix = \"${PFX}\"\n[api]\n[[api.tokens]]\nname = \"a\"\nrole = \"viewer\"\nsecret = \"${DB}${TOKEN}\"\n",
+        );
+        let err = format!(
+            "{:#}",
+            Config::load_layered(&f.0, |_| None, &[]).expect_err("unset")
+        );
+        let listed = err.rsplit("not set: ").next().unwrap_or_default();
+        let mut names: Vec<&str> = listed.split(", ").collect();
+        names.sort_unstable();
+        assert_eq!(names, ["BROKERS", "DB", "PFX", "TOKEN"], "{err}");
+        let env = |n: &str| match n {
+            "DB" => Some("sqlite://x.db".to_owned()),
+            "BROKERS" => Some("k:9092".to_owned()),
+            "PFX" => Some("prod.".to_owned()),
+            "TOKEN" => Some("-0123456789abcdef".to_owned()),
+            _ => None,
+        };
+        let config = Config::load_layered(&f.0, env, &[]).expect("all set");
+        let kafka = config.kafka().expect("kafka");
+        assert_eq!(kafka.topic_prefix, "prod.", "expanded, not taken literally");
+        assert_eq!(kafka.brokers, "k:9092");
+        assert_eq!(config.database_url().expect("url"), "sqlite://x.db");
     }
 
     mod tempfile_path {

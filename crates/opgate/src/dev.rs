@@ -98,7 +98,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         })
     };
     let mut config = match &args.config {
-        Some(path) => Config::load_layered(path, |n| std::env::var(n).ok(), &[])?,
+        Some(path) => Config::load_layered(path, |n| env(n), &[])?,
         None => Config::parse(DEV_CONFIG).context("the built-in dev config")?,
     };
 
