@@ -439,6 +439,13 @@ impl Registry {
         let mut agents = BTreeMap::new();
         let mut signing = BTreeMap::new();
         for agent in config.agents {
+            if agents.contains_key(&agent.id) {
+                return Err(RegistryError::Agent {
+                    agent: agent.id.clone(),
+                    field: "id".into(),
+                    message: "declared twice".into(),
+                });
+            }
             if let Some(secret) = agent.signing_secret {
                 signing.insert(agent.id.clone(), secret);
             }
@@ -644,7 +651,7 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
                     "`retryable` would resend a call whose 500 may have been committed, and an external_non_idempotent provider cannot dedupe the resend; use `unknown` (or declare the class external_idempotent if the provider honours the key)".into(),
                 ));
             }
-            if adapter.idempotency_header.is_some() && adapter.provider_retention.is_some() {
+            if adapter.provider_retention.is_some() {
                 return Err(err(
                     "adapter.provider_retention",
                     "an external_non_idempotent tool does not honour keys, so no retention makes a resend safe; if the provider dedupes on `idempotency_header`, declare the class external_idempotent".into(),
@@ -657,6 +664,18 @@ fn validate_tool(raw: &ToolConfig, names: &BTreeSet<&str>) -> Result<Tool, Regis
             .map(Template::parse)
             .transpose()
             .map_err(|e| err("adapter.lookup_url", e.to_string()))?;
+        // A lookup by key finds nothing unless the key was sent: it would take every
+        // effect for "never happened" and let the reconciler resend it.
+        let looks_up_key = lookup_url
+            .as_ref()
+            .is_some_and(|t| t.placeholders().any(|p| matches!(p, Placeholder::Key)));
+        if looks_up_key && adapter.idempotency_header.is_none() && adapter.key_body_field.is_none()
+        {
+            return Err(err(
+                "adapter.lookup_url",
+                "looks the provider up by `{key}`, but the key is never sent: set `idempotency_header` or `key_body_field` (else every lookup misses and an effect that happened would be taken for one that did not)".into(),
+            ));
+        }
         tool.adapter = Some(Adapter {
             config: adapter.clone(),
             timeout: Duration::from_millis(adapter.timeout_ms.unwrap_or(5_000)),
@@ -876,6 +895,24 @@ charge_id = "trim"
                 "adapter.provider_retention",
                 "does not honour keys",
             ),
+            (
+                // Retention alone (no header) is refused too: it promises nothing.
+                one_tool_of(
+                    "external_non_idempotent",
+                    "[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nprovider_retention = \"24h\"",
+                ),
+                "adapter.provider_retention",
+                "does not honour keys",
+            ),
+            (
+                // A lookup by a key that never reaches the provider always misses.
+                one_tool_of(
+                    "external_non_idempotent",
+                    "[tools.adapter]\nkind = \"http\"\nurl = \"x\"\nlookup_url = \"x?ref={key}\"",
+                ),
+                "adapter.lookup_url",
+                "the key is never sent",
+            ),
         ];
         for (toml, field, fragment) in cases {
             match expect_err(&toml) {
@@ -916,6 +953,14 @@ charge_id = "trim"
             one_tool("")
         );
         assert!(matches!(expect_err(&agent), RegistryError::Agent { agent, .. } if agent == "bot"));
+        let twice = format!(
+            "{}\n[[agents]]\nid = \"bot\"\ntools = [\"t\"]\nsigning_secret = \"s\"\n[[agents]]\nid = \"bot\"\ntools = [\"t\"]",
+            one_tool("")
+        );
+        assert!(
+            matches!(expect_err(&twice), RegistryError::Agent { agent, field, .. } if agent == "bot" && field == "id"),
+            "a second table for one agent would silently replace the first"
+        );
     }
 
     #[test]

@@ -99,6 +99,9 @@ struct State {
     /// When each key's effect was first and last applied.
     applied: HashMap<String, (Instant, Instant)>,
     calls: u64,
+    /// Calls in progress now, and the most at once.
+    in_flight: u64,
+    max_in_flight: u64,
 }
 
 /// The scripted provider.
@@ -190,6 +193,11 @@ impl ScriptedProvider {
         self.state().calls
     }
 
+    /// The most calls that were in progress at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.state().max_in_flight
+    }
+
     /// Times two calls on one entity overlapped (on the shared tracker).
     pub fn overlaps(&self) -> u64 {
         self.entities.overlaps()
@@ -204,6 +212,8 @@ impl ToolAdapter for ScriptedProvider {
         let step = {
             let mut s = self.state();
             s.calls += 1;
+            s.in_flight += 1;
+            s.max_in_flight = s.max_in_flight.max(s.in_flight);
             let n = {
                 let n = s.calls_per_key.entry(key.clone()).or_default();
                 *n += 1;
@@ -240,6 +250,7 @@ impl ToolAdapter for ScriptedProvider {
             let mut released = self.released.subscribe();
             let _ = released.wait_for(|done| *done).await;
         }
+        self.state().in_flight -= 1;
         let committed = matches!(step.heard, AdapterOutcome::Committed { .. });
         CallReport {
             outcome: step.heard,

@@ -270,8 +270,10 @@ async fn a_claim_without_lease_left_for_the_call_is_given_back_unsent() {
 }
 
 /// Item 5: claims are sized by the tool's free permits, so no claimed operation waits
-/// in-process for a permit while its lease runs (with `per_tool = 1`, at most one
-/// operation of the tool is ever `dispatched`).
+/// in-process for a permit while its lease runs. With `per_tool = 1` the provider never
+/// sees two calls at once; the permit is given back when the call returns, so while one
+/// outcome is being recorded the next operation may already be claimed: at most two are
+/// `dispatched` at once, never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claims_are_sized_by_the_tools_free_permits() {
     let w = world(1).await;
@@ -294,7 +296,7 @@ async fn claims_are_sized_by_the_tools_free_permits() {
             .await
             .expect("list");
         assert!(
-            page.operations.len() <= 1,
+            page.operations.len() <= 2,
             "{} claimed at once",
             page.operations.len()
         );
@@ -313,6 +315,11 @@ async fn claims_are_sized_by_the_tools_free_permits() {
     cancel.cancel();
     running.await.expect("dispatcher");
     assert_eq!(w.provider.overlaps(), 0);
+    assert_eq!(
+        w.provider.max_in_flight(),
+        1,
+        "per_tool = 1: one call at the provider at a time"
+    );
 }
 
 async fn futures_ids(w: &World, n: u64) -> Vec<Uuid> {

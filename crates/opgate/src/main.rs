@@ -204,7 +204,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     tool.key_template
                         .as_ref()
                         .map(|t| t.source().to_owned())
-                        .unwrap_or_else(|| format!("{:?}", tool.key_strategy).to_lowercase())
+                        .unwrap_or_else(|| match tool.key_strategy {
+                            opgate_core::registry::KeyStrategy::Business => "business".into(),
+                            opgate_core::registry::KeyStrategy::WorkflowStep => {
+                                "workflow_step".into()
+                            }
+                        })
                 );
             }
             println!("config ok");
