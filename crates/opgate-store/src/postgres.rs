@@ -40,6 +40,17 @@ impl PgLedger {
 
     /// Connects with explicit options (e.g. a `search_path` per test schema).
     pub async fn connect_with(options: PgConnectOptions) -> Result<Self> {
+        // One connection first: a refused connection, an unknown database or a bad
+        // password is reported at once and as itself, not as the pool's timeout 10 s later.
+        sqlx::Connection::close(
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
+            )
+            .await
+            .map_err(|_| Error::Database(sqlx::Error::PoolTimedOut))??,
+        )
+        .await?;
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(10))

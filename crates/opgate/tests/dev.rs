@@ -551,6 +551,33 @@ fn version_migrate_config_and_a_foreign_database_url() {
         "{err}"
     );
     assert_eq!(err.lines().count(), 1, "one line per failure: {err}");
+    // A port nothing listens on: the refusal, at once, once (not the pool's timeout).
+    let started = Instant::now();
+    let (ok, _, err) = opgate(&[
+        "migrate",
+        "--database-url",
+        "postgres://postgres@127.0.0.1:1/x",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("Connection refused"), "{err}");
+    assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    // A SQLite file that cannot be created: its cause printed once.
+    let (ok, _, err) = opgate(&[
+        "migrate",
+        "--database-url",
+        "sqlite:///nonexistent/dir/x.db",
+    ]);
+    assert!(!ok);
+    assert_eq!(
+        err.matches("unable to open database file").count(),
+        1,
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
