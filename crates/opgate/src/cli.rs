@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
 use opgate_api::views::{
-    CompensationAnswer, ErrorAnswer, EventsView, OperationView, PageView, ProposalAnswer,
+    CompensationAnswer, ErrorAnswer, EventView, EventsView, OperationView, PageView, ProposalAnswer,
 };
 use serde_json::{Map, Value, json};
 
@@ -124,6 +124,10 @@ pub enum OpsCommand {
     Events {
         /// Operation id.
         id: String,
+        /// Keep printing new events until the operation settles (with --json: one event
+        /// per line).
+        #[arg(long, short)]
+        follow: bool,
     },
     /// Approve an operation awaiting approval.
     Approve {
@@ -400,7 +404,7 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
                 )
                 .await?
         }
-        OpsCommand::Events { id } => {
+        OpsCommand::Events { id, follow: false } => {
             let events: EventsView = client
                 .call(
                     reqwest::Method::GET,
@@ -412,9 +416,13 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
             return if json_out {
                 print_json(&events)
             } else {
-                print_events(&events);
+                print_events_header();
+                events.events.iter().for_each(print_event);
                 Ok(())
             };
+        }
+        OpsCommand::Events { id, follow: true } => {
+            return follow_events(&client, id, json_out).await;
         }
         OpsCommand::Approve { id, reason } => act(id, "approve", reason_body(reason)).await?,
         OpsCommand::Reject { id, reason } => act(id, "reject", reason_body(reason)).await?,
@@ -533,19 +541,59 @@ fn print_list(page: &PageView) {
     }
 }
 
-fn print_events(events: &EventsView) {
+fn print_events_header() {
     println!(
         "{:>5}  {:<24}  {:<36}  {:<28}  ACTOR",
         "SEQ", "AT", "TRANSITION", "REASON"
     );
-    for e in &events.events {
-        println!(
-            "{:>5}  {:<24}  {:<36}  {:<28}  {}",
-            e.seq,
-            e.at,
-            format!("{} -> {}", cell(e.from.as_ref()), e.to),
-            e.reason,
-            cell(e.actor.as_ref()),
-        );
+}
+
+fn print_event(e: &EventView) {
+    println!(
+        "{:>5}  {:<24}  {:<36}  {:<28}  {}",
+        e.seq,
+        e.at,
+        format!("{} -> {}", cell(e.from.as_ref()), e.to),
+        e.reason,
+        cell(e.actor.as_ref()),
+    );
+}
+
+/// `ops events --follow`: the history so far, then each new event as it happens (the
+/// API's long poll returns on settlement, else every 2 s), until the operation settles.
+async fn follow_events(client: &Client, id: &str, json_out: bool) -> anyhow::Result<()> {
+    if !json_out {
+        print_events_header();
+    }
+    let mut printed = i64::MIN;
+    loop {
+        let op: OperationView = client
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/operations/{id}"),
+                &[("wait", "2s".to_owned())],
+                None,
+            )
+            .await?;
+        let events: EventsView = client
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/operations/{id}/events"),
+                &[],
+                None,
+            )
+            .await?;
+        let since = printed;
+        for e in events.events.iter().filter(|e| e.seq > since) {
+            if json_out {
+                println!("{}", serde_json::to_string(e)?);
+            } else {
+                print_event(e);
+            }
+            printed = e.seq;
+        }
+        if op.is_settled() {
+            return Ok(());
+        }
     }
 }

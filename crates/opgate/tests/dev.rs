@@ -648,3 +648,80 @@ fn logs_written_to_a_file_carry_no_colour_codes_and_json_logs_are_json() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ops_events_follow_prints_each_event_until_the_operation_settles() {
+    let dir = temp_dir("follow");
+    let (_child, ready) = spawn_dev(&dir, &[]);
+    let api = ready["api"].as_str().expect("api").to_owned();
+    let sim = ready["sim"].as_str().expect("sim").to_owned();
+    let operator = ready["tokens"]["operator"]
+        .as_str()
+        .expect("operator")
+        .to_owned();
+    // The provider commits, then hangs past the 1 s timeout: the operation takes a retry
+    // to settle, so --follow has events to wait for.
+    let status = reqwest::Client::new()
+        .post(format!("{sim}/faults"))
+        .json(&json!({"provider": "payments", "fault": "timeout_after_commit", "times": 1}))
+        .send()
+        .await
+        .expect("fault")
+        .status();
+    assert!(status.is_success());
+    let (ok, out, err) = opgate(&[
+        "propose",
+        "--api-url",
+        &api,
+        "--token",
+        &operator,
+        "--json",
+        "--tool",
+        "capture_payment",
+        "--entity",
+        "order:follow",
+        "--args",
+        r#"{"amount": "3.00", "currency": "usd"}"#,
+    ]);
+    assert!(ok, "{err}");
+    let answer: Value = serde_json::from_str(&out).expect("json");
+    let id = answer["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let (ok, out, err) = tokio::task::spawn_blocking(move || {
+        opgate(&[
+            "ops",
+            "events",
+            "--follow",
+            &id,
+            "--api-url",
+            &api,
+            "--token",
+            &operator,
+        ])
+    })
+    .await
+    .expect("follow");
+    assert!(ok, "{err}");
+    let transitions: Vec<&str> = out.lines().skip(1).collect();
+    assert!(
+        transitions
+            .iter()
+            .any(|l| l.contains("-> failed_retryable")),
+        "the timeout was followed: {out}"
+    );
+    assert!(
+        transitions
+            .last()
+            .is_some_and(|l| l.contains("-> completed_success")),
+        "ends when settled: {out}"
+    );
+    let seqs: Vec<&str> = transitions
+        .iter()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let mut unique = seqs.clone();
+    unique.dedup();
+    assert_eq!(seqs, unique, "each event once: {out}");
+}
