@@ -14,20 +14,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 /// Publishes (key, value) records to the proposals topic and waits for every ack.
 pub async fn publish(config: &KafkaConfig, records: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
-    let producer: FutureProducer = config.client_config()?.create()?;
-    let topic = config.topic(PROPOSALS);
-    let mut pending = Vec::with_capacity(records.len());
-    for (key, value) in records {
-        pending.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(key).payload(value))
-                .map_err(|(e, _)| e)?,
-        );
-    }
-    for p in pending {
-        p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
-    }
-    Ok(())
+    publish_paced(config, records, None).await
 }
 
 /// Publishes (key, value) records to the proposals topic at `rate` records per second
@@ -37,13 +24,25 @@ pub async fn publish_at_rate(
     records: &[(String, Vec<u8>)],
     rate: f64,
 ) -> anyhow::Result<()> {
+    publish_paced(config, records, Some(rate)).await
+}
+
+/// Publishes every record (the `i`-th no sooner than `i / rate` seconds after the first,
+/// when a rate is given), then waits for every ack.
+async fn publish_paced(
+    config: &KafkaConfig,
+    records: &[(String, Vec<u8>)],
+    rate: Option<f64>,
+) -> anyhow::Result<()> {
     let producer: FutureProducer = config.client_config()?.create()?;
     let topic = config.topic(PROPOSALS);
     let started = tokio::time::Instant::now();
     let mut pending = Vec::with_capacity(records.len());
     for (i, (key, value)) in records.iter().enumerate() {
-        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate.max(1e-9)))
-            .await;
+        if let Some(rate) = rate {
+            let due = Duration::from_secs_f64(i as f64 / rate.max(1e-9));
+            tokio::time::sleep_until(started + due).await;
+        }
         pending.push(
             producer
                 .send_result(FutureRecord::to(&topic).key(key).payload(value))

@@ -195,6 +195,12 @@ impl Client {
         })
     }
 
+    /// An operation's history.
+    async fn events(&self, id: &str) -> anyhow::Result<EventsView> {
+        let path = format!("/v1/operations/{id}/events");
+        self.call(reqwest::Method::GET, &path, &[], None).await
+    }
+
     async fn call<T: serde::de::DeserializeOwned>(
         &self,
         method: reqwest::Method,
@@ -405,14 +411,7 @@ pub async fn ops(args: OpsArgs) -> anyhow::Result<()> {
                 .await?
         }
         OpsCommand::Events { id, follow: false } => {
-            let events: EventsView = client
-                .call(
-                    reqwest::Method::GET,
-                    &format!("/v1/operations/{id}/events"),
-                    &[],
-                    None,
-                )
-                .await?;
+            let events = client.events(id).await?;
             return if json_out {
                 print_json(&events)
             } else {
@@ -575,14 +574,7 @@ async fn follow_events(client: &Client, id: &str, json_out: bool) -> anyhow::Res
                 None,
             )
             .await?;
-        let events: EventsView = client
-            .call(
-                reqwest::Method::GET,
-                &format!("/v1/operations/{id}/events"),
-                &[],
-                None,
-            )
-            .await?;
+        let events = client.events(id).await?;
         let since = printed;
         for e in events.events.iter().filter(|e| e.seq > since) {
             if json_out {
