@@ -1,5 +1,5 @@
 //! `/healthz`, `/readyz` (no token) and `/metrics` (viewer or operator; or without a
-//! token on the separate `[metrics] listen` address).
+//! token on the separate `[metrics] listen` address, which serves the probes too).
 
 use std::net::SocketAddr;
 
@@ -11,16 +11,22 @@ use axum::{Extension, Json, Router};
 use opgate_store::SharedLedger;
 use serde_json::{Value, json};
 
-use crate::ApiState;
 use crate::auth::Principal;
 use crate::error::ApiError;
+use crate::{ApiState, ReadinessCheck};
 
 /// `/readyz`: the ledger reachable with the schema this build knows, and every added
 /// check (the broker in `opgate run` and `opgate dev`) answering.
 pub(crate) async fn ready(State(state): State<ApiState>) -> Response {
+    readiness(&state.ledger, &state.checks).await
+}
+
+/// The `/readyz` answer over a ledger and the added checks (the API's and the metrics
+/// listener's).
+async fn readiness(ledger: &SharedLedger, checks: &[(&'static str, ReadinessCheck)]) -> Response {
     let mut body = serde_json::Map::new();
     let mut failure = None;
-    match state.ledger.schema_status().await {
+    match ledger.schema_status().await {
         Ok(s) if s.is_current() => {
             body.insert("ledger".into(), json!("ok"));
             body.insert("schema_version".into(), json!(s.found));
@@ -41,7 +47,7 @@ pub(crate) async fn ready(State(state): State<ApiState>) -> Response {
             failure.get_or_insert(("ledger_unavailable", "ledger: unavailable".to_owned()));
         }
     }
-    for (name, check) in &state.checks {
+    for (name, check) in checks {
         match check().await {
             Ok(()) => {
                 body.insert((*name).into(), json!("ok"));
@@ -112,15 +118,19 @@ pub fn ledger_gauges(stats: &opgate_store::LedgerStats) -> opgate_metrics::Ledge
     }
 }
 
-/// Serves only `GET /metrics` (and `/healthz`), without tokens, on `addr`: for processes
-/// that do not run the admin API (`[metrics] listen`). Bind it to an internal interface.
+/// Serves `GET /metrics`, `/healthz` and `/readyz` (with these checks besides the
+/// ledger), without tokens, on `addr`: for processes that do not run the admin API
+/// (`[metrics] listen`), so that their probes and scrapes need no token. Bind it to an
+/// internal interface.
 pub async fn serve_metrics(
     addr: SocketAddr,
     ledger: SharedLedger,
+    checks: Vec<(&'static str, ReadinessCheck)>,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     #[derive(Clone)]
     struct Scrape {
         ledger: SharedLedger,
+        checks: std::sync::Arc<Vec<(&'static str, ReadinessCheck)>>,
     }
     let router = Router::new()
         .route(
@@ -128,7 +138,14 @@ pub async fn serve_metrics(
             get(|State(s): State<Scrape>| async move { render_metrics(&s.ledger).await }),
         )
         .route("/healthz", get(|| async { "ok" }))
-        .with_state(Scrape { ledger });
+        .route(
+            "/readyz",
+            get(|State(s): State<Scrape>| async move { readiness(&s.ledger, &s.checks).await }),
+        )
+        .with_state(Scrape {
+            ledger,
+            checks: std::sync::Arc::new(checks),
+        });
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let handle = tokio::spawn(async move {

@@ -1,14 +1,18 @@
 //! The admin HTTP API (DESIGN.md sections 6 and 9): bearer tokens with three roles.
 //!
+//! - any token: `GET /v1/me` (who it is);
 //! - agent (bound to an `agent_id` and namespaces): `POST /v1/proposals`, its own
 //!   operations through the read routes, and `GET /v1/tools` (the tools it may propose);
 //! - viewer: `GET /v1/operations` (filters, cursor), `GET /v1/operations/{id}` (`?wait=10s`
-//!   long-polls until settled), `GET /v1/operations/{id}/events`, `GET /metrics`;
+//!   long-polls until settled; an id may be shortened to a unique prefix),
+//!   `GET /v1/operations/{id}/{events|attempts|results}`, `GET /v1/overview?window=1h`,
+//!   `GET /metrics`;
 //! - operator: everything a viewer may, plus `POST /v1/proposals` and `POST
 //!   /v1/operations/{id}/{approve|reject|cancel|resolve|compensate}` — never approving
 //!   what it proposed itself;
 //! - no token: `/healthz` (alive) and `/readyz` (ledger reachable, schema current, and
-//!   every added check — the broker in `opgate run` and `opgate dev` — answering).
+//!   every added check — the broker in `opgate run` and `opgate dev` — answering), and the
+//!   operator console's page and assets at `/ui/` (it signs in with a token).
 //!
 //! Modules: [`auth`] (tokens, principals, what each role may do), [`error`] (the error
 //! body), [`views`] (the answers as types, shared with the CLI), `routes` (the handlers)
@@ -18,6 +22,7 @@ pub mod auth;
 pub mod error;
 mod health;
 mod routes;
+mod ui;
 pub mod views;
 
 use std::net::SocketAddr;
@@ -79,6 +84,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/operations", get(routes::list_operations))
         .route("/v1/operations/{id}", get(routes::get_operation))
         .route("/v1/operations/{id}/events", get(routes::get_events))
+        .route("/v1/operations/{id}/attempts", get(routes::get_attempts))
+        .route("/v1/operations/{id}/results", get(routes::get_results))
+        .route("/v1/overview", get(routes::overview))
+        .route("/v1/me", get(routes::me))
         .route("/v1/operations/{id}/{action}", post(routes::act))
         .route("/v1/proposals", post(routes::propose))
         .route("/v1/tools", get(routes::list_tools))
@@ -90,6 +99,7 @@ pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(health::ready))
+        .merge(ui::routes())
         .merge(v1)
         .with_state(state)
 }

@@ -19,13 +19,115 @@ use crate::ApiState;
 use crate::auth::{Principal, Role};
 use crate::error::ApiError;
 use crate::views::{
-    CompensationAnswer, EventView, EventsView, OperationView, PageView, ProposalAnswer, ToolView,
-    ToolsView,
+    AttemptView, AttemptsView, CompensationAnswer, EventView, EventsView, OperationView,
+    OverviewView, PageView, PrincipalView, ProposalAnswer, ResultRecordsView, ToolView, ToolsView,
 };
 
 fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id)
         .map_err(|_| ApiError::bad_request("invalid_id", format!("`{id}` is not an operation id")))
+}
+
+/// The operation an id names: a whole id, or for a viewer or operator the start of one
+/// (at least 4 hex digits) that exactly one operation's id begins with.
+async fn resolve_id(state: &ApiState, caller: &Principal, text: &str) -> Result<Uuid, ApiError> {
+    if let Ok(id) = Uuid::parse_str(text) {
+        return Ok(id);
+    }
+    if caller.role == Role::Agent {
+        return parse_id(text);
+    }
+    let (low, high) = opgate_core::operation::id_prefix_range(text)
+        .map_err(|m| ApiError::bad_request("invalid_id", m))?;
+    if text.chars().filter(char::is_ascii_hexdigit).count() < 4 {
+        return Err(ApiError::bad_request(
+            "invalid_id",
+            format!("`{text}` is too short: give at least 4 hex digits of the operation id"),
+        ));
+    }
+    match state.ledger.ids_between(low, high, 2).await?.as_slice() {
+        [id] => Ok(*id),
+        [] => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "operation_not_found",
+            format!("no operation id starts with `{text}`"),
+        )),
+        _ => Err(ApiError::bad_request(
+            "ambiguous_id",
+            format!("several operation ids start with `{text}`: give more of it"),
+        )),
+    }
+}
+
+/// `GET /v1/me` (any token): who the token is.
+pub(crate) async fn me(Extension(caller): Extension<Principal>) -> Json<PrincipalView> {
+    Json(PrincipalView {
+        name: caller.name.clone(),
+        role: caller.role.as_str().to_owned(),
+        agent_id: caller.agent.as_ref().map(|a| a.agent_id.clone()),
+        namespaces: caller
+            .agent
+            .as_ref()
+            .map(|a| a.namespaces.clone())
+            .unwrap_or_default(),
+    })
+}
+
+/// `GET /v1/operations/{id}/attempts`: the dispatch tries, oldest first.
+pub(crate) async fn get_attempts(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<AttemptsView>, ApiError> {
+    let id = resolve_id(&state, &caller, &id).await?;
+    visible(&state, &caller, id).await?;
+    let attempts = state.ledger.attempts(id).await?;
+    Ok(Json(AttemptsView {
+        attempts: attempts.iter().map(AttemptView::from).collect(),
+    }))
+}
+
+/// `GET /v1/operations/{id}/results`: the result messages written, and when the relay
+/// published each.
+pub(crate) async fn get_results(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<ResultRecordsView>, ApiError> {
+    let id = resolve_id(&state, &caller, &id).await?;
+    visible(&state, &caller, id).await?;
+    let rows = state.ledger.results(id).await?;
+    Ok(Json(ResultRecordsView::from(rows.as_slice())))
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct OverviewQuery {
+    window: Option<String>,
+}
+
+/// `GET /v1/overview?window=1h` (viewer or operator; the window is 1 minute to 7 days,
+/// 1 hour when not given).
+pub(crate) async fn overview(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Principal>,
+    Query(q): Query<OverviewQuery>,
+) -> Result<Json<OverviewView>, ApiError> {
+    caller.require_reader("the overview")?;
+    let window = match q.window.as_deref() {
+        None => Duration::from_secs(3600),
+        Some(w) => opgate_core::registry::parse_duration(w)
+            .map_err(|m| ApiError::bad_request("invalid_window", format!("window: {m}")))?,
+    };
+    if !(Duration::from_secs(60)..=Duration::from_secs(7 * 86_400)).contains(&window) {
+        return Err(ApiError::bad_request(
+            "invalid_window",
+            "window must be from 1m to 7d",
+        ));
+    }
+    let stats = state.ledger.stats().await?;
+    let since = stats.now - window;
+    let activity = state.ledger.activity(since).await?;
+    Ok(Json(OverviewView::new(&stats, &activity, window)))
 }
 
 /// An operation this caller may see (404 otherwise, as for an unknown id).
@@ -64,7 +166,7 @@ pub(crate) async fn get_operation(
     Path(id): Path<String>,
     Query(q): Query<WaitQuery>,
 ) -> Result<Json<OperationView>, ApiError> {
-    let id = parse_id(&id)?;
+    let id = resolve_id(&state, &caller, &id).await?;
     let wait = match q.wait.as_deref() {
         None => Duration::ZERO,
         Some(w) => opgate_core::registry::parse_duration(w)
@@ -179,7 +281,7 @@ pub(crate) async fn get_events(
     Extension(caller): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<EventsView>, ApiError> {
-    let id = parse_id(&id)?;
+    let id = resolve_id(&state, &caller, &id).await?;
     visible(&state, &caller, id).await?;
     let events = state.ledger.events(id).await?;
     Ok(Json(EventsView {
@@ -208,7 +310,7 @@ pub(crate) async fn act(
     body: Option<Json<Value>>,
 ) -> Result<Response, ApiError> {
     caller.require_operator(&format!("`{action}`"))?;
-    let id = parse_id(&id)?;
+    let id = resolve_id(&state, &caller, &id).await?;
     let body: ActionBody = match body {
         None => ActionBody::default(),
         Some(Json(v)) => serde_json::from_value(v)

@@ -238,6 +238,9 @@ pub struct ToolView {
     /// JSON Schema of the arguments (the tool's `args_schema`, or one built from its
     /// declared and required arguments).
     pub args_schema: Value,
+    /// Whether a completed operation can be compensated (`[tools.compensation]`).
+    #[serde(default)]
+    pub compensable: bool,
 }
 
 impl From<&opgate_core::registry::Tool> for ToolView {
@@ -269,6 +272,7 @@ impl From<&opgate_core::registry::Tool> for ToolView {
             }
             .to_owned(),
             args_schema,
+            compensable: tool.compensation.is_some(),
         }
     }
 }
@@ -278,4 +282,239 @@ impl From<&opgate_core::registry::Tool> for ToolView {
 pub struct ToolsView {
     /// By name.
     pub tools: Vec<ToolView>,
+}
+
+/// Who a token is (`GET /v1/me`): the console signs in with it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrincipalView {
+    /// The token's name (recorded as the actor of what it does).
+    pub name: String,
+    /// `agent`, `viewer` or `operator`.
+    pub role: String,
+    /// An agent token's `agent_id`.
+    pub agent_id: Option<String>,
+    /// An agent token's namespaces.
+    pub namespaces: Vec<String>,
+}
+
+/// One dispatch try (`GET /v1/operations/{id}/attempts`), written before the call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttemptView {
+    /// Attempt id (sent to the tool).
+    pub attempt_id: Uuid,
+    /// 1-based number.
+    pub number: u32,
+    /// The lease epoch it ran under.
+    pub epoch: i64,
+    /// The worker that made it.
+    pub worker: String,
+    /// Started, before the tool was called (RFC 3339 UTC).
+    pub started_at: String,
+    /// Finished, once its outcome was recorded.
+    pub finished_at: Option<String>,
+    /// What it observed (`committed`, `timeout_after_send`, ...); none while in flight or
+    /// when its worker died before recording.
+    pub outcome: Option<String>,
+    /// The provider's HTTP status.
+    pub http_status: Option<u16>,
+    /// The error category.
+    pub error_category: Option<String>,
+    /// How long the call took.
+    pub latency_ms: Option<u64>,
+    /// The provider's request id.
+    pub provider_request_id: Option<String>,
+}
+
+impl From<&opgate_store::Attempt> for AttemptView {
+    fn from(a: &opgate_store::Attempt) -> Self {
+        let report = a.report.as_ref();
+        Self {
+            attempt_id: a.attempt_id,
+            number: a.number,
+            epoch: a.epoch,
+            worker: a.worker.clone(),
+            started_at: format_utc(a.started_at),
+            finished_at: a.finished_at.map(format_utc),
+            outcome: report.map(|r| r.outcome.clone()),
+            http_status: report.and_then(|r| r.http_status),
+            error_category: report.and_then(|r| r.error_category.clone()),
+            latency_ms: report
+                .and_then(|r| r.latency)
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            provider_request_id: report.and_then(|r| r.provider_request_id.clone()),
+        }
+    }
+}
+
+/// An operation's attempts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttemptsView {
+    /// Oldest first.
+    pub attempts: Vec<AttemptView>,
+}
+
+/// A result message written for an operation (`GET /v1/operations/{id}/results`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultRecordView {
+    /// The operation's result sequence number (`result_seq` on the topic).
+    pub seq: i64,
+    /// The state it announces.
+    pub status: String,
+    /// Written, with the state change (RFC 3339 UTC).
+    pub created_at: String,
+    /// Acknowledged by the broker; none while the relay has not published it.
+    pub published_at: Option<String>,
+}
+
+/// An operation's result messages, while kept (published ones are reaped after
+/// `reap_after`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultRecordsView {
+    /// Oldest first.
+    pub results: Vec<ResultRecordView>,
+}
+
+impl From<&[opgate_store::ResultRecord]> for ResultRecordsView {
+    fn from(rows: &[opgate_store::ResultRecord]) -> Self {
+        Self {
+            results: rows
+                .iter()
+                .map(|r| ResultRecordView {
+                    seq: r.seq,
+                    status: r.status.clone(),
+                    created_at: format_utc(r.created_at),
+                    published_at: r.published_at.map(format_utc),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The console's overview (`GET /v1/overview?window=1h`): the ledger now, and what
+/// happened in the window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OverviewView {
+    /// The window's length in seconds.
+    pub window_seconds: u64,
+    /// The database clock (RFC 3339 UTC).
+    pub now: String,
+    /// Live (not terminal) operations per state.
+    pub live: Vec<CountView>,
+    /// Dispatch-queue rows per queue state (parked, waiting, inflight, held).
+    pub queue: Vec<CountView>,
+    /// Result messages not yet published.
+    pub relay_pending: i64,
+    /// Age of the oldest unpublished result message, in seconds.
+    pub relay_lag_seconds: f64,
+    /// Ingest decisions in the window per `decision` / `reason` (`accepted`,
+    /// `deduplicated/duplicate_key`, `rejected/unknown_tool`, ...).
+    pub decisions: Vec<CountView>,
+    /// Ambiguous outcomes in the window.
+    pub unknown: UnknownView,
+}
+
+/// A name and a count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountView {
+    /// What is counted.
+    pub name: String,
+    /// How many.
+    pub count: i64,
+}
+
+/// Ambiguous outcomes in a window and how they were resolved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnknownView {
+    /// Operations that entered `unknown_outcome`.
+    pub entered: i64,
+    /// Those that left it, per `by/state` (`reconciler/completed_success`,
+    /// `person/completed_noop`, ...).
+    pub resolved: Vec<CountView>,
+    /// Share of those that left it without a person (none when none left).
+    pub resolved_without_person: Option<f64>,
+    /// Mean time unknown, for those that left it.
+    pub mean_ms: Option<f64>,
+    /// 99th percentile of the time unknown (nearest rank).
+    pub p99_ms: Option<i64>,
+}
+
+impl OverviewView {
+    /// The overview from the ledger's gauges and a window's activity.
+    pub fn new(
+        stats: &opgate_store::LedgerStats,
+        activity: &opgate_store::Activity,
+        window: std::time::Duration,
+    ) -> Self {
+        use std::collections::BTreeMap;
+        let tally = |pairs: &mut dyn Iterator<Item = (String, i64)>| {
+            let mut by: BTreeMap<String, i64> = BTreeMap::new();
+            for (name, n) in pairs {
+                *by.entry(name).or_default() += n;
+            }
+            by.into_iter()
+                .map(|(name, count)| CountView { name, count })
+                .collect::<Vec<_>>()
+        };
+        let live = tally(&mut stats.live.iter().map(|l| (l.status.clone(), l.count)));
+        let queue = tally(&mut stats.queue.iter().cloned());
+        let decisions = tally(&mut activity.decisions.iter().map(|d| {
+            let name = match &d.reason {
+                Some(r) => format!("{}/{r}", d.decision),
+                None => d.decision.clone(),
+            };
+            (name, d.count)
+        }));
+        let exits = &activity.unknown_exits;
+        let resolved = tally(&mut exits.iter().map(|e| {
+            let by = if e.by_person { "person" } else { "reconciler" };
+            (format!("{by}/{}", e.to), 1)
+        }));
+        let mut waits: Vec<i64> = exits.iter().filter_map(|e| e.waited_ms).collect();
+        waits.sort_unstable();
+        let relay_lag_seconds = stats
+            .relay_oldest
+            .map_or(0.0, |at| (stats.now - at).as_seconds_f64().max(0.0));
+        Self {
+            window_seconds: window.as_secs(),
+            now: format_utc(activity.now),
+            live,
+            queue,
+            relay_pending: stats.relay_pending,
+            relay_lag_seconds,
+            decisions,
+            unknown: UnknownView {
+                entered: activity.unknown_entered,
+                resolved,
+                resolved_without_person: (!exits.is_empty()).then(|| {
+                    exits.iter().filter(|e| !e.by_person).count() as f64 / exits.len() as f64
+                }),
+                mean_ms: (!waits.is_empty())
+                    .then(|| waits.iter().sum::<i64>() as f64 / waits.len() as f64),
+                p99_ms: nearest_rank(&waits, 0.99),
+            },
+        }
+    }
+}
+
+/// The nearest-rank percentile of sorted values.
+fn nearest_rank(sorted: &[i64], p: f64) -> Option<i64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        assert_eq!(nearest_rank(&[], 0.99), None);
+        assert_eq!(nearest_rank(&[7], 0.99), Some(7));
+        let hundred: Vec<i64> = (1..=100).collect();
+        assert_eq!(nearest_rank(&hundred, 0.99), Some(99));
+        assert_eq!(nearest_rank(&hundred, 0.5), Some(50));
+    }
 }

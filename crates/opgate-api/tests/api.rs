@@ -778,3 +778,307 @@ async fn a_bad_status_filter_lists_the_states() {
         assert!(m.contains(state), "{m}");
     }
 }
+
+#[tokio::test]
+async fn the_console_is_served_without_a_token_under_a_strict_policy() {
+    let a = api().await;
+    let res = a
+        .http
+        .get(format!("{}/ui", a.url))
+        .send()
+        .await
+        .expect("get /ui");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.url().path().ends_with("/ui/"), "{}", res.url());
+    let policy = res.headers()["content-security-policy"]
+        .to_str()
+        .expect("policy")
+        .to_owned();
+    assert!(
+        policy.contains("script-src 'self'") && policy.contains("default-src 'none'"),
+        "{policy}"
+    );
+    let page = res.text().await.expect("page");
+    assert!(page.contains("/ui/console.js") && page.contains("sign-in-form"));
+    for (path, kind) in [
+        ("/ui/console.js", "text/javascript"),
+        ("/ui/console.css", "text/css"),
+    ] {
+        let res = a
+            .http
+            .get(format!("{}{path}", a.url))
+            .send()
+            .await
+            .expect("asset");
+        assert_eq!(res.status(), StatusCode::OK, "{path}");
+        assert!(
+            res.headers()["content-type"]
+                .to_str()
+                .is_ok_and(|t| t.starts_with(kind)),
+            "{path}"
+        );
+    }
+    // The data behind it still needs a token.
+    assert_eq!(
+        a.call("GET", "/v1/overview", None, None).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (s, who) = a.call("GET", "/v1/me", VIEWER, None).await;
+    assert_eq!(
+        (s, who["name"].clone(), who["role"].clone()),
+        (StatusCode::OK, json!("vera"), json!("viewer"))
+    );
+    let (_, who) = a.call("GET", "/v1/me", AGENT, None).await;
+    assert_eq!(
+        (who["role"].clone(), who["agent_id"].clone()),
+        (json!("agent"), json!("bot"))
+    );
+}
+
+/// A refund proposed, approved, sent, answered ambiguously and resolved by a person: the
+/// console's timeline and overview read all of it back.
+#[tokio::test]
+async fn timeline_and_overview_read_attempts_results_and_ambiguity() {
+    let a = api().await;
+    let (_, refund) = a.propose("t1", "refund", json!(7)).await;
+    let id = refund["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    a.call(
+        "POST",
+        &format!("/v1/operations/{id}/approve"),
+        OPERATOR,
+        Some(json!({"reason": "ok"})),
+    )
+    .await;
+    let claim = a
+        .ledger
+        .claim(&ClaimRequest {
+            owner: "worker-1".into(),
+            lease: Duration::from_secs(60),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("claim")
+        .remove(0);
+    let mut rec = Recording::new(
+        claim.operation.operation_id,
+        claim.epoch(),
+        Event::OutcomeUnknown,
+        "timeout_after_send",
+    );
+    rec.attempt = Some((
+        claim.attempt_id.expect("attempt"),
+        opgate_store::AttemptReport {
+            outcome: "timeout_after_send".into(),
+            error_category: Some("timeout".into()),
+            latency: Some(Duration::from_millis(1500)),
+            ..Default::default()
+        },
+    ));
+    a.ledger.record(&[rec]).await.expect("record");
+    a.call(
+        "POST",
+        &format!("/v1/operations/{id}/resolve"),
+        OPERATOR,
+        Some(json!({"resolution": "noop", "reason": "seen at the provider"})),
+    )
+    .await;
+
+    let (s, attempts) = a
+        .call(
+            "GET",
+            &format!("/v1/operations/{id}/attempts"),
+            VIEWER,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{attempts}");
+    let first = &attempts["attempts"][0];
+    assert_eq!(
+        (
+            first["number"].clone(),
+            first["worker"].clone(),
+            first["outcome"].clone(),
+            first["latency_ms"].clone()
+        ),
+        (
+            json!(1),
+            json!("worker-1"),
+            json!("timeout_after_send"),
+            json!(1500)
+        )
+    );
+
+    // Publish the first two result rows: the rest stay unpublished.
+    let rows = a
+        .ledger
+        .claim_results(&ClaimRequest {
+            owner: "relay".into(),
+            lease: Duration::from_secs(60),
+            limit: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("claim results");
+    a.ledger
+        .mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark");
+    let (_, results) = a
+        .call("GET", &format!("/v1/operations/{id}/results"), VIEWER, None)
+        .await;
+    let results = results["results"].as_array().expect("results").clone();
+    let statuses: Vec<&str> = results
+        .iter()
+        .map(|r| r["status"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            "awaiting_approval",
+            "pending_dispatch",
+            "dispatched",
+            "unknown_outcome",
+            "completed_noop"
+        ]
+    );
+    let published: Vec<bool> = results
+        .iter()
+        .map(|r| r["published_at"].is_string())
+        .collect();
+    assert_eq!(published, [true, true, false, false, false]);
+
+    let (s, o) = a.call("GET", "/v1/overview?window=1h", VIEWER, None).await;
+    assert_eq!(s, StatusCode::OK, "{o}");
+    assert_eq!(o["window_seconds"], 3600);
+    assert_eq!(o["decisions"], json!([{"name": "accepted", "count": 1}]));
+    assert_eq!(o["unknown"]["entered"], 1);
+    assert_eq!(
+        o["unknown"]["resolved"],
+        json!([{"name": "person/completed_noop", "count": 1}])
+    );
+    assert_eq!(o["unknown"]["resolved_without_person"], 0.0);
+    assert!(o["unknown"]["p99_ms"].as_i64().is_some_and(|ms| ms >= 0));
+    assert_eq!(o["relay_pending"], 3);
+    for (query, token, code) in [
+        ("?window=30s", VIEWER, StatusCode::BAD_REQUEST),
+        ("?window=8d", VIEWER, StatusCode::BAD_REQUEST),
+        ("?window=soon", VIEWER, StatusCode::BAD_REQUEST),
+        ("", AGENT, StatusCode::FORBIDDEN),
+    ] {
+        let (s, body) = a
+            .call("GET", &format!("/v1/overview{query}"), token, None)
+            .await;
+        assert_eq!(s, code, "{query}: {body}");
+        assert!(!message(&body).is_empty());
+    }
+}
+
+#[tokio::test]
+async fn an_operation_id_may_be_shortened_to_a_unique_prefix() {
+    let a = api().await;
+    let (_, one) = a.propose("p1", "capture_payment", json!(1)).await;
+    let (_, two) = a.propose("p2", "capture_payment", json!(2)).await;
+    let one = one["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let two = two["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    // The shortest prefix of `one` that `two` does not share (ids are time-ordered, so
+    // they share a long start), and a few more characters for good measure.
+    let common = one
+        .chars()
+        .zip(two.chars())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let unique = &one[..(common + 1).max(4)];
+    let (s, op) = a
+        .call("GET", &format!("/v1/operations/{unique}"), VIEWER, None)
+        .await;
+    assert_eq!(
+        (s, op["operation_id"].clone()),
+        (StatusCode::OK, json!(one))
+    );
+    let (s, events) = a
+        .call(
+            "GET",
+            &format!("/v1/operations/{unique}/events"),
+            VIEWER,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{events}");
+    let upper = unique.to_uppercase();
+    assert_eq!(
+        a.call("GET", &format!("/v1/operations/{upper}"), VIEWER, None)
+            .await
+            .1["operation_id"],
+        json!(one)
+    );
+    if common >= 4 {
+        let shared = &one[..common];
+        let (s, body) = a
+            .call("GET", &format!("/v1/operations/{shared}"), VIEWER, None)
+            .await;
+        assert_eq!(
+            (s, body["error"]["code"].clone()),
+            (StatusCode::BAD_REQUEST, json!("ambiguous_id")),
+            "{body}"
+        );
+    }
+    let absent = if one.starts_with('0') { "ffff" } else { "0000" };
+    for (path, token, code, want) in [
+        (
+            absent.to_owned(),
+            VIEWER,
+            StatusCode::NOT_FOUND,
+            "operation_not_found",
+        ),
+        (
+            one[..3].to_owned(),
+            VIEWER,
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            "12g4".to_owned(),
+            VIEWER,
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            "%00abcd".to_owned(),
+            VIEWER,
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            "a".repeat(40),
+            VIEWER,
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        // An agent names its operations in full.
+        (
+            unique.to_owned(),
+            AGENT,
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+    ] {
+        let (s, body) = a
+            .call("GET", &format!("/v1/operations/{path}"), token, None)
+            .await;
+        assert_eq!(
+            (s, body["error"]["code"].clone()),
+            (code, json!(want)),
+            "{path}: {body}"
+        );
+    }
+}

@@ -312,3 +312,60 @@ impl ResultMessage {
         }
     }
 }
+
+/// The operation ids an id prefix stands for, as the lowest and highest id it covers: a
+/// prefix of an id's hex digits as printed (hyphens anywhere are ignored, case too), so an
+/// operator can type the first characters of an id as `git` allows for commits. Refused:
+/// an empty prefix, a character that is not a hex digit, more than 32 digits.
+pub fn id_prefix_range(prefix: &str) -> Result<(Uuid, Uuid), String> {
+    let digits: String = prefix.chars().filter(|c| *c != '-').collect();
+    if digits.is_empty() {
+        return Err("an operation id (or the start of one) is needed".into());
+    }
+    if let Some(bad) = digits.chars().find(|c| !c.is_ascii_hexdigit()) {
+        return Err(format!(
+            "`{prefix}` is not an operation id or the start of one: {bad:?} is not a hex digit"
+        ));
+    }
+    if digits.len() > 32 {
+        return Err(format!("`{prefix}` is longer than an operation id"));
+    }
+    let pad = |fill: char| {
+        let mut hex = digits.to_ascii_lowercase();
+        hex.extend(std::iter::repeat_n(fill, 32 - digits.len()));
+        Uuid::parse_str(&hex).map_err(|e| format!("`{prefix}`: {e}"))
+    };
+    Ok((pad('0')?, pad('f')?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_prefix_covers_exactly_the_ids_that_start_with_it() {
+        let (lo, hi) = id_prefix_range("3F2A-9").expect("a prefix");
+        assert_eq!(lo.to_string(), "3f2a9000-0000-0000-0000-000000000000");
+        assert_eq!(hi.to_string(), "3f2a9fff-ffff-ffff-ffff-ffffffffffff");
+        let id = Uuid::parse_str("3f2a9c1e-0000-4000-8000-000000000001").expect("an id");
+        assert!(lo <= id && id <= hi);
+        let full = "3f2a9c1e-0000-4000-8000-000000000001";
+        assert_eq!(id_prefix_range(full).expect("a whole id"), (id, id));
+    }
+
+    #[test]
+    fn an_id_prefix_refuses_what_is_not_hex() {
+        for bad in [
+            "",
+            "-",
+            "3f2g",
+            "3f2a\u{0}",
+            "é",
+            &"a".repeat(33),
+            "' OR 1=1",
+        ] {
+            let err = id_prefix_range(bad).expect_err("refused");
+            assert!(!err.is_empty(), "{bad:?}");
+        }
+    }
+}

@@ -257,6 +257,18 @@ impl Ledger for Refusing {
     ) -> opgate_store::Result<Option<Operation>> {
         self.0.operation_by_key(ns, key).await
     }
+    async fn ids_between(&self, lo: Uuid, hi: Uuid, n: i64) -> opgate_store::Result<Vec<Uuid>> {
+        self.0.ids_between(lo, hi, n).await
+    }
+    async fn results(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::ResultRecord>> {
+        self.0.results(id).await
+    }
+    async fn activity(
+        &self,
+        since: time::OffsetDateTime,
+    ) -> opgate_store::Result<opgate_store::Activity> {
+        self.0.activity(since).await
+    }
     async fn events(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::OperationEvent>> {
         self.0.events(id).await
     }

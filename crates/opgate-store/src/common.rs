@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use opgate_core::{Delivery, Operation, Source};
+use serde_json::Value;
 use uuid::Uuid;
 
 use crate::types::{ListFilter, Page};
@@ -122,6 +123,41 @@ pub(crate) fn live_sql() -> String {
 /// Unfinished dispatch-queue rows per state.
 pub(crate) const QUEUE_DEPTH_SQL: &str =
     "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state";
+
+/// An operation's result rows (through `result_outbox_operation`).
+pub(crate) const RESULTS_SQL: &str = "SELECT seq, status, created_at, published_at \
+     FROM result_outbox WHERE operation_id = $1 ORDER BY id";
+
+/// Inbox decisions since `$1` (a range of `inbox_received`).
+pub(crate) const DECISIONS_SQL: &str = "SELECT decision, reason, COUNT(*) AS n FROM inbox \
+     WHERE received_at >= $1 GROUP BY decision, reason ORDER BY n DESC, decision, reason";
+
+/// The predicate of the partial index `operation_events_unknown`, repeated word for word
+/// in the queries that should use it (SQLite matches the text).
+const UNKNOWN_EVENTS: &str = "(from_status = 'unknown_outcome' OR to_status = 'unknown_outcome')";
+
+/// Operations that entered `unknown_outcome` since `$1`.
+pub(crate) fn unknown_entered_sql() -> String {
+    format!(
+        "SELECT COUNT(*) FROM operation_events WHERE {UNKNOWN_EVENTS} AND at >= $1 \
+         AND to_status = 'unknown_outcome' AND COALESCE(from_status, '') <> 'unknown_outcome'"
+    )
+}
+
+/// Operations that left `unknown_outcome` since `$1`, newest first, at most `$2`.
+pub(crate) fn unknown_exits_sql() -> String {
+    format!(
+        "SELECT to_status, actor IS NOT NULL AS by_person, detail FROM operation_events \
+         WHERE {UNKNOWN_EVENTS} AND at >= $1 \
+         AND from_status = 'unknown_outcome' AND to_status <> 'unknown_outcome' \
+         ORDER BY at DESC LIMIT $2"
+    )
+}
+
+/// How long an operation leaving `unknown_outcome` had been unknown (its event's detail).
+pub(crate) fn waited_ms(detail: Option<&Value>) -> Option<i64> {
+    detail?.get("unknown_for_ms")?.as_i64()
+}
 
 /// The result rows a relay may lease so that each operation's results are published in
 /// order: of the candidates (`id`, operation), every row without an operation, and for

@@ -88,6 +88,16 @@ pub trait Ledger: Send + Sync + 'static {
     /// An operation's attempts, oldest first.
     async fn attempts(&self, id: Uuid) -> Result<Vec<Attempt>>;
 
+    /// The result rows written for an operation, oldest first (while kept).
+    async fn results(&self, id: Uuid) -> Result<Vec<ResultRecord>>;
+
+    /// Ingest decisions and unknown outcomes since `since` (indexed reads only).
+    async fn activity(&self, since: time::OffsetDateTime) -> Result<Activity>;
+
+    /// Up to `limit` operation ids from `low` to `high` inclusive, in order: the ids an id
+    /// prefix stands for (`opgate_core::operation::id_prefix_range`), through the primary key.
+    async fn ids_between(&self, low: Uuid, high: Uuid, limit: i64) -> Result<Vec<Uuid>>;
+
     /// Operations matching a filter, newest first, paginated.
     async fn list(&self, filter: &ListFilter) -> Result<Page>;
 

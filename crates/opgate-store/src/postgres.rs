@@ -13,8 +13,9 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::common::{
-    ListBind, QUEUE_DEPTH_SQL, corrupt, in_order_prefix, list_sql, live_sql, millis, page_size,
-    paginate, parse_cursor, source_columns,
+    DECISIONS_SQL, ListBind, QUEUE_DEPTH_SQL, RESULTS_SQL, corrupt, in_order_prefix, list_sql,
+    live_sql, millis, page_size, paginate, parse_cursor, source_columns, unknown_entered_sql,
+    unknown_exits_sql, waited_ms,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -963,6 +964,80 @@ impl Ledger for PgLedger {
         .iter()
         .map(attempt_from_row)
         .collect()
+    }
+
+    async fn ids_between(&self, low: Uuid, high: Uuid, limit: i64) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT operation_id FROM operations WHERE operation_id BETWEEN $1 AND $2 \
+             ORDER BY operation_id LIMIT $3",
+        )
+        .bind(low)
+        .bind(high)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn results(&self, id: Uuid) -> Result<Vec<ResultRecord>> {
+        sqlx::query(RESULTS_SQL)
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(ResultRecord {
+                    seq: r.try_get("seq")?,
+                    status: r.try_get("status")?,
+                    created_at: r.try_get("created_at")?,
+                    published_at: r.try_get("published_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn activity(&self, since: OffsetDateTime) -> Result<Activity> {
+        let decisions = sqlx::query(DECISIONS_SQL)
+            .bind(since)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(DecisionCount {
+                    decision: r.try_get("decision")?,
+                    reason: r.try_get("reason")?,
+                    count: r.try_get("n")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let unknown_entered: i64 = sqlx::query_scalar(&unknown_entered_sql())
+            .bind(since)
+            .fetch_one(&self.pool)
+            .await?;
+        let unknown_exits = sqlx::query(&unknown_exits_sql())
+            .bind(since)
+            .bind(ACTIVITY_EXITS_MAX)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| {
+                let detail: Option<Value> = r.try_get("detail")?;
+                Ok(UnknownExit {
+                    to: r.try_get("to_status")?,
+                    by_person: r.try_get("by_person")?,
+                    waited_ms: waited_ms(detail.as_ref()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let now: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(Activity {
+            since,
+            now,
+            decisions,
+            unknown_entered,
+            unknown_exits,
+        })
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page> {

@@ -20,8 +20,9 @@ use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
 use crate::common::{
-    ListBind, QUEUE_DEPTH_SQL, corrupt, in_order_prefix, list_sql, live_sql, millis, page_size,
-    paginate, parse_cursor, source_columns,
+    DECISIONS_SQL, ListBind, QUEUE_DEPTH_SQL, RESULTS_SQL, corrupt, in_order_prefix, list_sql,
+    live_sql, millis, page_size, paginate, parse_cursor, source_columns, unknown_entered_sql,
+    unknown_exits_sql, waited_ms,
 };
 use crate::flow::{
     self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
@@ -799,6 +800,89 @@ impl Ledger for SqliteLedger {
         .iter()
         .map(attempt_from_row)
         .collect()
+    }
+
+    async fn ids_between(&self, low: Uuid, high: Uuid, limit: i64) -> Result<Vec<Uuid>> {
+        // Ids are stored as lowercase hyphenated text, which sorts as the bytes do.
+        sqlx::query_scalar::<_, String>(
+            "SELECT operation_id FROM operations WHERE operation_id BETWEEN $1 AND $2 \
+             ORDER BY operation_id LIMIT $3",
+        )
+        .bind(low.to_string())
+        .bind(high.to_string())
+        .bind(limit)
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|s| Uuid::parse_str(s).map_err(|_| corrupt("operation_id", s)))
+        .collect()
+    }
+
+    async fn results(&self, id: Uuid) -> Result<Vec<ResultRecord>> {
+        sqlx::query(RESULTS_SQL)
+            .bind(id.to_string())
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(ResultRecord {
+                    seq: r.try_get("seq")?,
+                    status: r.try_get("status")?,
+                    created_at: get_ts(r, "created_at")?,
+                    published_at: get_ts_opt(r, "published_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn activity(&self, since: OffsetDateTime) -> Result<Activity> {
+        let decisions = sqlx::query(DECISIONS_SQL)
+            .bind(ts(since))
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(DecisionCount {
+                    decision: r.try_get("decision")?,
+                    reason: r.try_get("reason")?,
+                    count: r.try_get("n")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let unknown_entered: i64 = sqlx::query_scalar(&unknown_entered_sql())
+            .bind(ts(since))
+            .fetch_one(&self.reader)
+            .await?;
+        let unknown_exits = sqlx::query(&unknown_exits_sql())
+            .bind(ts(since))
+            .bind(ACTIVITY_EXITS_MAX)
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(|r| {
+                let detail = r
+                    .try_get::<Option<String>, _>("detail")?
+                    .map(|d| serde_json::from_str::<Value>(&d))
+                    .transpose()
+                    .map_err(|e| Error::Corrupt(format!("event detail: {e}")))?;
+                Ok(UnknownExit {
+                    to: r.try_get("to_status")?,
+                    by_person: r.try_get("by_person")?,
+                    waited_ms: waited_ms(detail.as_ref()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let now: String = sqlx::query_scalar("SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now')")
+            .fetch_one(&self.reader)
+            .await?;
+        let now = parse_ts(&now)?;
+        Ok(Activity {
+            since,
+            now,
+            decisions,
+            unknown_entered,
+            unknown_exits,
+        })
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page> {

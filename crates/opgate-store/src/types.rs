@@ -270,6 +270,63 @@ pub struct CompensationRequest {
     pub reason: String,
 }
 
+/// A result row written for an operation (one per state change; published rows are
+/// reaped after the retention).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResultRecord {
+    /// The operation's result sequence number.
+    pub seq: i64,
+    /// The state it announces.
+    pub status: String,
+    /// Written (with the state change, in its transaction).
+    pub created_at: OffsetDateTime,
+    /// Acknowledged by the broker, once the relay published it.
+    pub published_at: Option<OffsetDateTime>,
+}
+
+/// What happened in a window, for the console's overview: read from the inbox and the
+/// history, so every process's work counts (not one process's counters).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Activity {
+    /// Start of the window.
+    pub since: OffsetDateTime,
+    /// The database clock when this was read.
+    pub now: OffsetDateTime,
+    /// Ingest decisions of the event ids first received in the window, per
+    /// (decision, reason). A redelivered event id is not counted again: it changes nothing.
+    pub decisions: Vec<DecisionCount>,
+    /// Operations that entered `unknown_outcome` in the window.
+    pub unknown_entered: i64,
+    /// Operations that left `unknown_outcome` in the window (at most
+    /// [`ACTIVITY_EXITS_MAX`], newest kept).
+    pub unknown_exits: Vec<UnknownExit>,
+}
+
+/// The most `unknown_outcome` exits [`Activity`] carries.
+pub const ACTIVITY_EXITS_MAX: i64 = 100_000;
+
+/// Inbox rows of one decision and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionCount {
+    /// `accepted`, `deduplicated` or `rejected`.
+    pub decision: String,
+    /// The dedupe or rejection reason.
+    pub reason: Option<String>,
+    /// How many.
+    pub count: i64,
+}
+
+/// An operation leaving `unknown_outcome`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownExit {
+    /// The state it went to.
+    pub to: String,
+    /// Whether a person's command settled it (else the reconciler did).
+    pub by_person: bool,
+    /// How long it had been unknown.
+    pub waited_ms: Option<i64>,
+}
+
 /// The ledger's current shape, for gauges: read when metrics are scraped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LedgerStats {

@@ -455,6 +455,14 @@ mod tests {
     }
 
     #[test]
+    fn the_deploy_config_is_valid() {
+        let text = include_str!("../../../deploy/opgate.toml");
+        let config = Config::parse(text).expect("deploy/opgate.toml is valid");
+        assert!(config.registry.tool("write_off_balance").is_some());
+        assert!(config.metrics.is_some() && config.api.is_some());
+    }
+
+    #[test]
     fn tokens_are_hashed_scoped_and_checked() {
         let config = Config::parse(
             r#"

@@ -69,6 +69,31 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
     } else {
         None
     };
+    // What /readyz checks besides the ledger, on the API and on the metrics listener.
+    let mut checks: Vec<(&'static str, opgate_api::ReadinessCheck)> = Vec::new();
+    if let Some(kafka) = &config.kafka
+        && (has("api") || config.metrics.is_some())
+    {
+        let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
+        checks.push((
+            "broker",
+            Arc::new(move || {
+                let probe = probe.clone();
+                Box::pin(async move { probe.check().await })
+            }),
+        ));
+    }
+    if let (Some(worker), Some(kafka)) = (&ingest, &config.kafka) {
+        let health = worker.health();
+        let threshold = Duration::from_millis(kafka.batch.unready_after_stall_ms);
+        checks.push((
+            "ingest",
+            Arc::new(move || {
+                let result = health.check(threshold);
+                Box::pin(async move { result })
+            }),
+        ));
+    }
     // Listeners first: a port that cannot be bound fails the start before any role has
     // claimed work it would then have to abandon.
     let mut api_addr = None;
@@ -84,26 +109,8 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
         );
         let mut state =
             opgate_api::ApiState::new(ledger.clone(), registry.clone(), config.limits, tokens)?;
-        if let Some(kafka) = &config.kafka {
-            let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
-            state = state.with_check(
-                "broker",
-                Arc::new(move || {
-                    let probe = probe.clone();
-                    Box::pin(async move { probe.check().await })
-                }),
-            );
-        }
-        if let (Some(worker), Some(kafka)) = (&ingest, &config.kafka) {
-            let health = worker.health();
-            let threshold = Duration::from_millis(kafka.batch.unready_after_stall_ms);
-            state = state.with_check(
-                "ingest",
-                Arc::new(move || {
-                    let result = health.check(threshold);
-                    Box::pin(async move { result })
-                }),
-            );
+        for (name, check) in &checks {
+            state = state.with_check(name, check.clone());
         }
         let (addr, server) = opgate_api::serve(api.listen, state)
             .await
@@ -120,7 +127,7 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
         });
     }
     if let Some(metrics) = &config.metrics {
-        let (addr, server) = opgate_api::serve_metrics(metrics.listen, ledger.clone())
+        let (addr, server) = opgate_api::serve_metrics(metrics.listen, ledger.clone(), checks)
             .await
             .with_context(|| format!("metrics.listen {}", metrics.listen))?;
         info!(%addr, "metrics listening");

@@ -251,6 +251,10 @@ async fn dev_serves_the_cli_and_one_proposal_sent_both_ways_is_one_operation() {
         events["events"].as_array().expect("events").len() >= 3,
         "{events}"
     );
+    // The whole id is not needed: the start of it that only this operation's id has
+    // (the only operation in this ledger, so 8 digits are enough).
+    let short = json_of(&cli(&api, viewer, &["ops", "show", &id[..8], "--json"]));
+    assert_eq!(short["operation_id"], json!(id), "{short}");
 
     // A viewer may read but not propose.
     let denied = cli(

@@ -1,6 +1,7 @@
 //! `opgate run --roles api,dispatch,reconcile` as a real process: a proposal over HTTP is
 //! dispatched to the simulated provider and the long-poll returns the settled operation;
-//! the `[metrics]` listener (set with `--set metrics.listen=...`) serves the counters;
+//! the `[metrics]` listener (set with `--set metrics.listen=...`) serves the counters and
+//! the probes;
 //! SIGTERM ends the process cleanly.
 
 #![allow(missing_docs)]
@@ -161,6 +162,21 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         .find_map(|l| l.strip_prefix("opgate_relay_pending "))
         .and_then(|v| v.parse::<f64>().ok());
     assert!(pending.is_some_and(|n| n >= 3.0), "{metrics}");
+    // It serves the probes too (for role groups without the API): alive, and ready with
+    // the ledger at this build's schema (no broker is configured, so none is checked).
+    for probe in ["/healthz", "/readyz"] {
+        let res = http
+            .get(format!("http://127.0.0.1:{metrics_port}{probe}"))
+            .send()
+            .await
+            .expect("probe");
+        let status = res.status();
+        let body = res.text().await.expect("body");
+        assert!(status.is_success(), "{probe}: {status} {body}");
+        if probe == "/readyz" {
+            assert!(body.contains("\"ledger\":\"ok\""), "{body}");
+        }
+    }
 
     // SIGTERM: the roles drain and the process exits successfully.
     let status = support::terminate(&mut child, "opgate run");
