@@ -286,26 +286,44 @@ fn prepare_checked(
         Ok(())
     };
     allowed.map_err(|reason| {
-        reject(
-            reason,
-            format!(
-                "agent `{}` may not propose tool `{}`",
-                proposal.agent_id.as_deref().unwrap_or("(none)"),
+        let message = match (reason, proposal.agent_id.as_deref()) {
+            ("unknown_agent", None) => "field `agent_id` is missing: this config declares \
+                [[agents]], and only a declared agent may propose"
+                .to_owned(),
+            ("unknown_agent", Some(agent)) => format!(
+                "field `agent_id`: agent `{agent}` is not declared in this config's [[agents]], \
+                 and only a declared agent may propose"
+            ),
+            (_, agent) => format!(
+                "agent `{}` may not propose tool `{}` (not in its [[agents]] tools)",
+                agent.unwrap_or_default(),
                 tool.name
             ),
-        )
+        };
+        reject(reason, message)
     })?;
     if !tool.intents.is_empty() {
-        let intent = proposal.intent.as_deref().unwrap_or_default();
-        if !tool.intents.iter().any(|i| i == intent) {
-            return Err(reject(
-                "unknown_intent",
-                format!(
-                    "intent `{intent}` is not declared by tool `{}` (declared: {})",
-                    tool.name,
-                    tool.intents.join(", ")
-                ),
-            ));
+        let declared = tool.intents.join(", ");
+        match proposal.intent.as_deref() {
+            Some(intent) if tool.intents.iter().any(|i| i == intent) => {}
+            Some(intent) => {
+                return Err(reject(
+                    "unknown_intent",
+                    format!(
+                        "field `intent`: `{intent}` is not declared by tool `{}` (declared: {declared})",
+                        tool.name
+                    ),
+                ));
+            }
+            None => {
+                return Err(reject(
+                    "unknown_intent",
+                    format!(
+                        "field `intent` is missing: tool `{}` declares intents, so a proposal must name one (declared: {declared})",
+                        tool.name
+                    ),
+                ));
+            }
         }
     }
     if let Some(kind) = &tool.entity
@@ -423,6 +441,11 @@ required = ["text"]
                 "make_money",
             ),
             (
+                json!({"intent": null}),
+                "unknown_intent",
+                "field `intent` is missing",
+            ),
+            (
                 json!({"entity": {"type": "user", "id": "u"}}),
                 "entity_type_mismatch",
                 "user",
@@ -443,6 +466,24 @@ required = ["text"]
                 prepare(&registry, &proposal(patch.clone()), delivery()).expect_err("rejected");
             assert_eq!(err.reason, reason, "{patch}");
             assert!(err.message.contains(fragment), "{patch}: {}", err.message);
+        }
+        // A config with an [[agents]] allowlist: a proposal without a declared agent is
+        // told which field to send.
+        let strict = Registry::from_toml(&format!(
+            "{TOOLS}\n[[agents]]\nid = \"support-bot\"\ntools = [\"capture_payment\"]\n"
+        ))
+        .expect("valid");
+        for (agent, says) in [
+            (json!(null), "field `agent_id` is missing"),
+            (
+                json!("stranger"),
+                "field `agent_id`: agent `stranger` is not declared",
+            ),
+        ] {
+            let err = prepare(&strict, &proposal(json!({"agent_id": agent})), delivery())
+                .expect_err("unknown agent");
+            assert_eq!(err.reason, "unknown_agent");
+            assert!(err.message.contains(says), "{}", err.message);
         }
         let item =
             IngestItem::from_proposal(&registry, &proposal(json!({"tool": "x"})), delivery());

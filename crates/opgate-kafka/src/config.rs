@@ -40,6 +40,15 @@ pub struct KafkaConfig {
     /// librdkafka properties passed through as is (values may use `${ENV}`).
     #[serde(default)]
     pub client: BTreeMap<String, String>,
+    /// How long `opgate run` waits at startup for a broker to answer before it exits
+    /// non-zero, in milliseconds (default 60000; 0 waits forever). Once started, a broker
+    /// outage is waited out (and `/readyz` says so).
+    #[serde(default = "default_startup_timeout_ms")]
+    pub startup_timeout_ms: u64,
+}
+
+fn default_startup_timeout_ms() -> u64 {
+    60_000
 }
 
 /// Ingest batching: a batch closes at `max_messages` or after `max_wait_ms`.
@@ -123,6 +132,7 @@ impl fmt::Debug for KafkaConfig {
             .field("batch", &self.batch)
             .field("replication_factor", &self.replication_factor)
             .field("client", &client)
+            .field("startup_timeout_ms", &self.startup_timeout_ms)
             .finish()
     }
 }
@@ -137,6 +147,7 @@ impl KafkaConfig {
             batch: BatchConfig::default(),
             replication_factor: None,
             client: BTreeMap::new(),
+            startup_timeout_ms: default_startup_timeout_ms(),
         }
     }
 

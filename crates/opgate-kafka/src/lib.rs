@@ -10,12 +10,14 @@
 //! - [`topics`]: topic specs as code and `opgate topics create`.
 //! - [`embedded::EmbeddedBroker`]: librdkafka's mock cluster for `opgate dev` and tests.
 //! - [`config::KafkaConfig`]: `[kafka]`, with librdkafka properties passed through.
-//! - [`probe::BrokerProbe`]: the broker check behind `/readyz`.
+//! - [`probe::BrokerProbe`]: the broker check behind `/readyz` and the startup wait.
+//! - [`quiet`]: repeating client errors logged once, then summarized.
 
 pub mod config;
 pub mod embedded;
 pub mod ingest;
 pub mod probe;
+pub mod quiet;
 pub mod relay;
 pub mod topics;
 

@@ -5,19 +5,21 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 
+use crate::quiet::QuietContext;
 use crate::{KafkaConfig, Result};
 
 /// Asks the brokers for cluster metadata, with one long-lived client.
 #[derive(Clone)]
 pub struct BrokerProbe {
-    client: Arc<BaseConsumer>,
+    client: Arc<BaseConsumer<QuietContext>>,
     timeout: Duration,
 }
 
 impl BrokerProbe {
     /// A probe with the config's client properties (SASL/SSL included).
     pub fn new(config: &KafkaConfig, timeout: Duration) -> Result<Self> {
-        let client: BaseConsumer = config.client_config()?.create()?;
+        let client: BaseConsumer<QuietContext> =
+            config.client_config()?.create_with_context(QuietContext)?;
         Ok(Self {
             client: Arc::new(client),
             timeout,
@@ -38,6 +40,27 @@ impl BrokerProbe {
         })
         .await
         .map_err(|e| e.to_string())?
+    }
+
+    /// Waits until a broker answers; gives up with the last error once `deadline` has
+    /// passed (`Duration::ZERO`: never gives up). Says once that it is waiting.
+    pub async fn wait_until_up(&self, deadline: Duration) -> std::result::Result<(), String> {
+        let started = tokio::time::Instant::now();
+        let mut said = false;
+        loop {
+            let err = match self.check().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if !deadline.is_zero() && started.elapsed() >= deadline {
+                return Err(err);
+            }
+            if !said {
+                tracing::warn!(error = %err, "waiting for a Kafka broker to answer");
+                said = true;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 }
 

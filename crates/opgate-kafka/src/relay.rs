@@ -28,10 +28,11 @@ use tracing::{debug, info, warn};
 
 use crate::Result;
 use crate::config::{KafkaConfig, RESULTS};
+use crate::quiet::QuietContext;
 
 /// An idempotent producer: `enable.idempotence` and `acks=all` are forced; batching and
 /// timeouts have defaults that `[kafka.client]` may override.
-pub(crate) fn idempotent_producer(config: &KafkaConfig) -> Result<FutureProducer> {
+pub(crate) fn idempotent_producer(config: &KafkaConfig) -> Result<FutureProducer<QuietContext>> {
     let mut producer_config = config.client_config()?;
     for (key, default) in [("linger.ms", "5"), ("message.timeout.ms", "30000")] {
         if producer_config.get(key).is_none() {
@@ -41,7 +42,7 @@ pub(crate) fn idempotent_producer(config: &KafkaConfig) -> Result<FutureProducer
     producer_config
         .set("enable.idempotence", "true")
         .set("acks", "all");
-    Ok(producer_config.create()?)
+    Ok(producer_config.create_with_context(QuietContext)?)
 }
 
 /// The producer's delivery timeout (`message.timeout.ms`) as configured.
@@ -62,7 +63,7 @@ pub fn delivery_timeout(config: &KafkaConfig) -> Result<Duration> {
 /// Publishes the result outbox.
 pub struct ResultsRelay {
     ledger: SharedLedger,
-    producer: FutureProducer,
+    producer: FutureProducer<QuietContext>,
     topic: String,
     claim: ClaimRequest,
     idle: Duration,
@@ -219,7 +220,7 @@ impl ResultsRelay {
 }
 
 /// Produces one result row and waits for the broker's acknowledgement.
-async fn send(producer: &FutureProducer, topic: &str, row: &OutboxRow) -> Result<()> {
+async fn send(producer: &FutureProducer<QuietContext>, topic: &str, row: &OutboxRow) -> Result<()> {
     let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
     let mut headers = OwnedHeaders::new();
     if let Some(tp) = row.payload.get("traceparent").and_then(|v| v.as_str()) {

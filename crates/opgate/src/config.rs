@@ -258,46 +258,71 @@ impl Config {
             .map_err(anyhow::Error::from)
             .with_context(|| format!("in {}", path.display()))?;
         schema_paths_beside(&mut doc, path);
-        // Every string value's `${NAME}`s, expanded here (so no key takes one literally),
-        // and every unset one named at once.
-        let mut missing = Vec::new();
-        expand_strings(&mut doc, &env, &mut missing);
-        if !missing.is_empty() {
-            anyhow::bail!(
-                "{}: environment variables referenced but not set: {}",
-                path.display(),
-                missing.join(", ")
-            );
-        }
-        let mut sources = Vec::new();
+        // The layers: OPGATE_<KEY> variables, then `--set` flags (the later wins).
+        let mut layers = Vec::new();
         for key in ENV_KEYS {
             let name = env_name(key);
             if let Some(value) = env(&name) {
-                set_key(&mut doc, key, &value).with_context(|| format!("{name} ({key})"))?;
-                sources.push(name);
+                layers.push(Layer {
+                    source: name,
+                    key: (*key).to_owned(),
+                    value,
+                });
             }
         }
         for set in sets {
             let (key, value) = set
                 .split_once('=')
                 .with_context(|| format!("--set {set}: expected key=value"))?;
-            set_key(&mut doc, key.trim(), value).with_context(|| format!("--set {set}"))?;
-            sources.push(format!("--set {}", key.trim()));
+            layers.push(Layer {
+                source: format!("--set {}", key.trim()),
+                key: key.trim().to_owned(),
+                value: value.to_owned(),
+            });
         }
-        let layered = toml::to_string(&doc)?;
-        match Self::parse(&layered) {
-            Ok(config) => Ok(config),
-            // The layered text is re-serialized, so its line numbers are not the file's:
-            // when the file alone has the error, report it against the file's own text.
-            Err(e) => match Self::parse(&text) {
-                Err(in_file) if sources.is_empty() || !same_error(&e, &in_file) => {
-                    Err(in_file).with_context(|| format!("in {}", path.display()))
-                }
-                _ => Err(e).with_context(|| match sources.is_empty() {
-                    true => format!("in {}", path.display()),
-                    false => format!("in {} with {}", path.display(), sources.join(", ")),
-                }),
-            },
+        let file_doc = doc.clone();
+        for layer in &layers {
+            layer.apply(&mut doc)?;
+        }
+        // Every string value's `${NAME}`s, expanded after layering (so no key takes one
+        // literally, and a key a layer overrides needs none of the file's variables);
+        // every unset one named at once.
+        let mut missing = Vec::new();
+        expand_strings(&mut doc, &env, &mut missing);
+        let parsed = Self::parse(&toml::to_string(&doc)?);
+        // A layer whose value its key refuses is named alone, with the key's complaint.
+        let failed = parsed.is_err();
+        let culprit = || {
+            failed
+                .then(|| bad_layer(&file_doc, &layers, &env))
+                .flatten()
+        };
+        if !missing.is_empty() {
+            let mut problems = vec![format!(
+                "environment variables referenced but not set: {}",
+                missing.join(", ")
+            )];
+            problems.extend(culprit());
+            anyhow::bail!("{}: {}", path.display(), problems.join("; "));
+        }
+        let e = match parsed {
+            Ok(config) => return Ok(config),
+            Err(e) => e,
+        };
+        if let Some(culprit) = culprit() {
+            anyhow::bail!("{}: {culprit}", path.display());
+        }
+        // The layered text is re-serialized, so its line numbers are not the file's:
+        // when the file alone has the error, report it against the file's own text.
+        let sources: Vec<&str> = layers.iter().map(|l| l.source.as_str()).collect();
+        match Self::parse(&text) {
+            Err(in_file) if sources.is_empty() || !same_error(&e, &in_file) => {
+                Err(in_file).with_context(|| format!("in {}", path.display()))
+            }
+            _ => Err(e).with_context(|| match sources.is_empty() {
+                true => format!("in {}", path.display()),
+                false => format!("in {} with {}", path.display(), sources.join(", ")),
+            }),
         }
     }
 
@@ -340,6 +365,50 @@ impl Config {
 }
 
 /// Whether two errors say the same thing apart from where (line numbers, snippets).
+/// One override of a config key: an `OPGATE_<KEY>` variable or a `--set` flag.
+struct Layer {
+    source: String,
+    key: String,
+    value: String,
+}
+
+impl Layer {
+    fn apply(&self, doc: &mut toml::Table) -> anyhow::Result<()> {
+        set_key(doc, &self.key, &self.value)
+            .with_context(|| format!("{} ({})", self.source, self.key))
+    }
+}
+
+/// The first layer that, over the file alone, makes the config invalid where the file
+/// is not: `OPGATE_WORKER_LEASE_MS (worker.lease_ms): invalid type: string "abc",
+/// expected u64` — the key's complaint without the re-serialized text around it.
+fn bad_layer(
+    file_doc: &toml::Table,
+    layers: &[Layer],
+    env: &impl Fn(&str) -> Option<String>,
+) -> Option<String> {
+    let parse = |doc: &toml::Table| {
+        let mut doc = doc.clone();
+        expand_strings(&mut doc, env, &mut Vec::new());
+        toml::to_string(&doc)
+            .map_err(anyhow::Error::from)
+            .and_then(|t| Config::parse(&t))
+    };
+    let alone = parse(file_doc).err();
+    layers.iter().find_map(|layer| {
+        let mut doc = file_doc.clone();
+        layer.apply(&mut doc).ok()?;
+        let err = parse(&doc).err()?;
+        if alone.as_ref().is_some_and(|a| same_error(a, &err)) {
+            return None;
+        }
+        let complaint = err
+            .downcast_ref::<toml::de::Error>()
+            .map_or_else(|| format!("{err:#}"), |t| t.message().to_owned());
+        Some(format!("{} ({}): {complaint}", layer.source, layer.key))
+    })
+}
+
 fn same_error(a: &anyhow::Error, b: &anyhow::Error) -> bool {
     let last = |e: &anyhow::Error| {
         format!("{e:#}")
@@ -691,6 +760,45 @@ secret_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a
         let text = format!("{err:#}");
         assert!(text.contains("lease_ms"), "{text}");
         assert!(text.contains("OPGATE_WORKER_LEASE_MS"), "{text}");
+        assert!(
+            text.contains(
+                "OPGATE_WORKER_LEASE_MS (worker.lease_ms): invalid type: string \"soon\""
+            ),
+            "the key's complaint, without the re-serialized text: {text}"
+        );
+        assert!(!text.contains("line "), "{text}");
+        // With a variable of the file unset as well, both are said, and a key a layer
+        // overrides needs none of the file's variables.
+        let f2 = file(
+            "[database]\nurl = \"${DB_URL}\"\n[kafka]\nbrokers = \"${BROKERS}\"\n[worker]\nlease_ms = 9000\n",
+        );
+        let env = |name: &str| match name {
+            "OPGATE_WORKER_LEASE_MS" => Some("soon".to_owned()),
+            "OPGATE_DATABASE_URL" => Some("sqlite://x.db".to_owned()),
+            _ => None,
+        };
+        let text = format!(
+            "{:#}",
+            Config::load_layered(&f2.0, env, &[]).expect_err("two problems")
+        );
+        assert!(
+            text.contains("not set: BROKERS;") && !text.contains("DB_URL"),
+            "{text}"
+        );
+        assert!(
+            text.contains("OPGATE_WORKER_LEASE_MS (worker.lease_ms)"),
+            "{text}"
+        );
+        let config = Config::load_layered(
+            &f2.0,
+            |_| None,
+            &[
+                "database.url=sqlite://y.db".into(),
+                "kafka.brokers=k:1".into(),
+            ],
+        )
+        .expect("every variable's key overridden");
+        assert_eq!(config.database_url().expect("url"), "sqlite://y.db");
         let err = Config::load_layered(&f.0, |_| None, &["worker.lease_msx=1".into()])
             .expect_err("unknown key");
         let text = format!("{err:#}");

@@ -39,6 +39,21 @@ pub struct Running {
     pub ledger: opgate_store::SharedLedger,
 }
 
+/// Waits for a broker to answer before the Kafka roles start: a broker that stays
+/// unreachable past `kafka.startup_timeout_ms` is a failed start (non-zero exit), not a
+/// process that logs and waits forever.
+async fn wait_for_broker(kafka: &opgate_kafka::KafkaConfig) -> anyhow::Result<()> {
+    let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
+    let deadline = Duration::from_millis(kafka.startup_timeout_ms);
+    probe.wait_until_up(deadline).await.map_err(|e| {
+        anyhow::anyhow!(
+            "no Kafka broker answered at {} within {} s (kafka.startup_timeout_ms; 0 waits forever): {e}",
+            kafka.brokers,
+            deadline.as_secs()
+        )
+    })
+}
+
 /// Checks role names before anything starts.
 pub fn validate(roles: &[String]) -> anyhow::Result<()> {
     for role in roles {
@@ -54,6 +69,9 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
     validate(roles)?;
     let has = |r: &str| roles.iter().any(|x| x == r);
     let ledger = opgate_store::open(&config.database_url()?).await?;
+    if has("ingest") || has("relay") {
+        wait_for_broker(config.kafka()?).await?;
+    }
     let registry = Arc::new(config.registry.clone());
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();

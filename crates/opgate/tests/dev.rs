@@ -729,3 +729,40 @@ async fn ops_events_follow_prints_each_event_until_the_operation_settles() {
     unique.dedup();
     assert_eq!(seqs, unique, "each event once: {out}");
 }
+
+/// With no broker, `run --roles ingest,relay` used to log ~500 lines in 15 s and run on:
+/// now it says once that it waits, and exits non-zero at `kafka.startup_timeout_ms`
+/// with one error line naming the brokers.
+#[test]
+fn run_without_a_broker_gives_up_at_the_startup_deadline_and_logs_little() {
+    let dir = temp_dir("no-broker");
+    let config = dir.join("opgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{}\"\n[kafka]\nbrokers = \"127.0.0.1:1\"\nstartup_timeout_ms = 3000\n",
+            dir.join("ledger.db").display()
+        ),
+    )
+    .expect("config");
+    let config = config.to_str().expect("path");
+    let (ok, _, err) = opgate(&["migrate", "--config", config]);
+    assert!(ok, "{err}");
+    let started = Instant::now();
+    let (ok, _, err) = opgate(&["run", "--config", config, "--roles", "ingest,relay"]);
+    let took = started.elapsed();
+    assert!(!ok, "run succeeded without a broker: {err}");
+    assert!(
+        err.contains("no Kafka broker answered at 127.0.0.1:1 within 3 s"),
+        "{err}"
+    );
+    assert!(
+        (Duration::from_secs(3)..Duration::from_secs(20)).contains(&took),
+        "gave up after {took:?}"
+    );
+    assert!(
+        err.lines().count() <= 8,
+        "{} lines:\n{err}",
+        err.lines().count()
+    );
+}

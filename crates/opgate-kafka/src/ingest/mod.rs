@@ -89,6 +89,15 @@ impl IngestContext {
 }
 
 impl ClientContext for IngestContext {
+    /// librdkafka's errors (the broker unreachable, ...), logged once, then summarized.
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        crate::quiet::report("kafka consumer error", &error, reason);
+    }
+
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        crate::quiet::log(level, fac, message);
+    }
+
     /// librdkafka's statistics (every `statistics.interval.ms`): the consumer lag of
     /// each assigned partition becomes `opgate_consumer_lag`.
     fn stats(&self, statistics: rdkafka::Statistics) {
@@ -181,7 +190,7 @@ struct Shared {
     limits: Limits,
     proposals: String,
     dlq_topic: String,
-    producer: FutureProducer,
+    producer: FutureProducer<crate::quiet::QuietContext>,
     stats: Arc<IngestStats>,
 }
 
@@ -289,7 +298,7 @@ impl IngestWorker {
                         lane.push(record, &self.consumer, &topic);
                     }
                     Err(e) => {
-                        warn!(error = %e, "consumer error");
+                        crate::quiet::report("consumer error", &e, "");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 },
