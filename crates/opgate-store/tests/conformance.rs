@@ -77,6 +77,7 @@ conformance!(
     the_schemas_state_lists_are_the_state_machines,
     two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it,
     commits_that_make_work_wake_the_workers,
+    the_console_reads_activity_results_and_id_ranges,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -90,6 +91,19 @@ async fn claim_one(ledger: &dyn Ledger, owner: &str) -> opgate_store::Claim {
         .expect("claim");
     assert_eq!(claims.len(), 1, "expected one claimable operation");
     claims.remove(0)
+}
+
+/// Publishes every pending result row, as a relay would (up to 100); how many.
+async fn publish_all(ledger: &dyn Ledger) -> usize {
+    let rows = ledger
+        .claim_results(&claim_request("relay", LONG, 100))
+        .await
+        .expect("claim results");
+    ledger
+        .mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark published");
+    rows.len()
 }
 
 async fn record_ok(ledger: &dyn Ledger, rec: Recording) -> opgate_core::Operation {
@@ -935,13 +949,7 @@ async fn reaper_deletes_only_past_retention(h: Harness) {
         Recording::new(c.operation.operation_id, c.epoch(), Event::Succeed, "ok"),
     )
     .await;
-    let rows = l
-        .claim_results(&claim_request("relay", LONG, 100))
-        .await
-        .expect("results");
-    l.mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
-        .await
-        .expect("mark");
+    let published = publish_all(l).await;
     assert_eq!(
         l.reap(Duration::from_secs(3600)).await.expect("reap"),
         Default::default()
@@ -950,7 +958,7 @@ async fn reaper_deletes_only_past_retention(h: Harness) {
     let stats = l.reap(Duration::from_millis(5)).await.expect("reap");
     assert_eq!(
         (stats.inbox, stats.queue, stats.results),
-        (2, 1, rows.len() as u64)
+        (2, 1, published as u64)
     );
     assert_eq!(ops_count(&h).await, 2, "operations are never reaped");
     assert_eq!(
@@ -1435,13 +1443,7 @@ async fn stats_show_live_operations_queue_depth_and_relay_backlog(h: Harness) {
         ),
     )
     .await;
-    let rows = l
-        .claim_results(&claim_request("relay", LONG, 100))
-        .await
-        .expect("claim results");
-    l.mark_published(&rows.iter().map(|r| r.id).collect::<Vec<_>>())
-        .await
-        .expect("mark");
+    publish_all(l).await;
     let stats = l.stats().await.expect("stats");
     assert_eq!(stats.live.len(), 1);
     assert_eq!(stats.live[0].status, "pending_dispatch");
@@ -1914,4 +1916,136 @@ async fn commits_that_make_work_wake_the_workers(h: Harness) {
     }
     let warm = i64::from(h.dialect() == "postgres");
     assert_eq!(ops_count(&h).await, 2 + warm);
+}
+
+/// What the operator console reads: ingest decisions and unknown outcomes over a window
+/// (`activity`), an operation's result rows (`results`) and the ids an id prefix covers
+/// (`ids_between`).
+async fn the_console_reads_activity_results_and_id_ranges(h: Harness) {
+    let l = h.ledger.as_ref();
+    let out = l
+        .ingest(&[
+            pay("e1", "o1", "1"),
+            pay("e2", "o2", "2"),
+            pay("e3", "o1", "1.00"),
+        ])
+        .await
+        .expect("ingest");
+    assert_eq!(
+        out[2].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        }
+    );
+    let first = out[0].operation.as_ref().expect("op").operation_id;
+    let second = out[1].operation.as_ref().expect("op").operation_id;
+    let claim = claim_one(l, "w").await;
+    let unknown = claim.operation.operation_id;
+    record_ok(
+        l,
+        Recording::new(
+            unknown,
+            claim.operation.lease_epoch,
+            Event::OutcomeUnknown,
+            "timeout_after_send",
+        ),
+    )
+    .await;
+    l.apply(&Command {
+        operation_id: unknown,
+        event: Event::Resolve(Resolution::Noop),
+        actor: "ops".into(),
+        reason: "seen at the provider".into(),
+        result: None,
+    })
+    .await
+    .expect("resolve");
+
+    let now = l.stats().await.expect("stats").now;
+    let a = l
+        .activity(now - time::Duration::hours(1))
+        .await
+        .expect("activity");
+    let decisions: BTreeMap<(String, Option<String>), i64> = a
+        .decisions
+        .iter()
+        .map(|d| ((d.decision.clone(), d.reason.clone()), d.count))
+        .collect();
+    assert_eq!(
+        decisions,
+        BTreeMap::from([
+            (("accepted".into(), None), 2),
+            (("deduplicated".into(), Some("key".into())), 1)
+        ])
+    );
+    assert_eq!(a.unknown_entered, 1);
+    assert_eq!(a.unknown_exits.len(), 1);
+    let exit = &a.unknown_exits[0];
+    assert_eq!((exit.to.as_str(), exit.by_person), ("completed_noop", true));
+    assert!(exit.waited_ms.is_some_and(|ms| ms >= 0), "{exit:?}");
+    assert!(a.since < a.now);
+    // A window that starts after it all holds nothing.
+    let later = l
+        .activity(now + time::Duration::minutes(1))
+        .await
+        .expect("activity");
+    assert!(later.decisions.is_empty() && later.unknown_exits.is_empty());
+    assert_eq!(later.unknown_entered, 0);
+
+    let results = l.results(unknown).await.expect("results");
+    let statuses: Vec<&str> = results.iter().map(|r| r.status.as_str()).collect();
+    // The operation's own answer, then the duplicate's answer (the same operation), then
+    // one per state change.
+    assert_eq!(
+        statuses,
+        [
+            "pending_dispatch",
+            "pending_dispatch",
+            "dispatched",
+            "unknown_outcome",
+            "completed_noop"
+        ]
+    );
+    assert!(results.windows(2).all(|w| w[0].seq <= w[1].seq));
+    assert!(results.iter().all(|r| r.published_at.is_none()));
+    publish_all(l).await;
+    let results = l.results(unknown).await.expect("results");
+    assert!(
+        results
+            .iter()
+            .all(|r| r.published_at.is_some_and(|p| p >= r.created_at))
+    );
+    assert!(l.results(uuid::Uuid::nil()).await.expect("none").is_empty());
+
+    // Ranges through the primary key, in id order.
+    let mut all = vec![first, second];
+    all.sort();
+    assert_eq!(
+        l.ids_between(uuid::Uuid::nil(), uuid::Uuid::max(), 10)
+            .await
+            .expect("all"),
+        all
+    );
+    assert_eq!(l.ids_between(first, first, 10).await.expect("one"), [first]);
+    assert_eq!(
+        l.ids_between(uuid::Uuid::nil(), uuid::Uuid::max(), 1)
+            .await
+            .expect("limit")
+            .len(),
+        1
+    );
+    let (low, high) =
+        opgate_core::operation::id_prefix_range(&first.to_string()[..13]).expect("prefix");
+    assert!(
+        l.ids_between(low, high, 10)
+            .await
+            .expect("prefix")
+            .contains(&first)
+    );
+    assert!(
+        l.ids_between(high, low, 10)
+            .await
+            .expect("empty")
+            .is_empty()
+    );
 }
