@@ -282,8 +282,8 @@ impl ToolAdapter for HttpAdapter {
         let mut tracing_headers: BTreeMap<&str, String> = BTreeMap::new();
         tracing_headers.insert(OPERATION_HEADER, op.operation_id.to_string());
         tracing_headers.insert(ATTEMPT_HEADER, request.attempt_id.to_string());
-        if let Some(tp) = &op.traceparent {
-            tracing_headers.insert("traceparent", tp.clone());
+        if let Some(tp) = request.traceparent.or(op.traceparent.as_deref()) {
+            tracing_headers.insert("traceparent", tp.to_owned());
         }
         for (name, value) in tracing_headers {
             // A traceparent is advisory: one that is not a valid header value is left out.

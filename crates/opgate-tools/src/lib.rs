@@ -25,6 +25,9 @@ pub struct DispatchRequest<'a> {
     pub attempt_id: Uuid,
     /// The key as sent to the provider (`{namespace}/{key}`).
     pub provider_key: &'a str,
+    /// The W3C `traceparent` to send: the dispatcher's span for this call when traces
+    /// are exported, else the operation's own (`None`: the operation's).
+    pub traceparent: Option<&'a str>,
 }
 
 /// What one call observed.

@@ -69,6 +69,7 @@ async fn call(adapter: &HttpAdapter) -> AdapterOutcome {
             operation: &op,
             attempt_id: Uuid::now_v7(),
             provider_key: "default/k:v1",
+            traceparent: None,
         })
         .await
         .outcome
@@ -142,6 +143,7 @@ async fn a_key_or_entity_that_is_not_a_header_value_is_never_sent() {
                 operation: &op,
                 attempt_id: Uuid::now_v7(),
                 provider_key: key,
+                traceparent: None,
             })
             .await;
         assert_eq!(report.outcome, AdapterOutcome::Unsendable, "{key:?}");
@@ -193,6 +195,7 @@ async fn a_nul_in_a_providers_answer_is_made_storable() {
             operation: &op,
             attempt_id: Uuid::now_v7(),
             provider_key: "default/k:v1",
+            traceparent: None,
         })
         .await;
     assert_eq!(
@@ -220,6 +223,7 @@ async fn a_nul_in_a_providers_answer_is_made_storable() {
             operation: &op,
             attempt_id: Uuid::now_v7(),
             provider_key: "default/k:v1",
+            traceparent: None,
         })
         .await;
     assert_eq!(

@@ -333,13 +333,21 @@ impl Dispatcher {
         let claim = &leased.claim;
         let op = &claim.operation;
         let provider_key = scoped_key(&op.namespace, &op.idempotency_key);
+        let span = crate::trace::CallSpan::start("opgate.dispatch", op, Some(attempt_id));
+        let traceparent = span.traceparent();
         let report = adapter
             .dispatch(&DispatchRequest {
                 operation: op,
                 attempt_id,
                 provider_key: &provider_key,
+                traceparent: traceparent.as_deref(),
             })
             .await;
+        span.end(
+            outcome_label(&report.outcome),
+            report.http_status,
+            report.outcome.error_category().is_some(),
+        );
         // `per_tool` bounds calls in flight at the provider: the call is over, the
         // outcome's commit need not hold the tool's permit (the overall permit bounds it).
         if leased.tool_permit.take().is_some() {

@@ -10,13 +10,15 @@
 //!   the provider, and records completed, a safe re-dispatch, or `needs_attention`.
 //!
 //! Both log one structured line per operation attempt (DESIGN.md section 7) under the
-//! `opgate::attempt` target.
+//! `opgate::attempt` target, and make each provider call and lookup an OpenTelemetry
+//! span in the operation's trace ([`trace`]).
 
 mod adapters;
 mod claim_loop;
 mod dispatcher;
 mod reconciler;
 mod recorder;
+pub mod trace;
 
 use std::time::Duration;
 

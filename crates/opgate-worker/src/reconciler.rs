@@ -152,6 +152,7 @@ impl Reconciler {
         let recording = match (tool, adapter) {
             (Some(tool), Some(adapter)) => {
                 let key = scoped_key(&op.namespace, &op.idempotency_key);
+                let span = crate::trace::CallSpan::start("opgate.lookup", op, None);
                 let (seen, found, failure) = match adapter.lookup(op, &key).await {
                     None => (Seen::NoLookup, None, None),
                     Some(Lookup::Found {
@@ -164,6 +165,13 @@ impl Reconciler {
                         (Seen::Failed, None, Some(e))
                     }
                 };
+                let seen_label = match seen {
+                    Seen::NoLookup => "no_lookup",
+                    Seen::Found => "found",
+                    Seen::NotFound => "not_found",
+                    Seen::Failed => "failed",
+                };
+                span.end(seen_label, None, failure.is_some());
                 let d = policy::after_lookup(
                     tool,
                     &policy::Lookup {

@@ -183,6 +183,7 @@ pub struct MetricsConfig {
 #[serde(deny_unknown_fields)]
 struct File {
     api: Option<ApiConfig>,
+    telemetry: Option<crate::telemetry::TelemetryConfig>,
     metrics: Option<MetricsConfig>,
     database: Option<DatabaseConfig>,
     kafka: Option<KafkaConfig>,
@@ -210,6 +211,8 @@ pub struct Config {
     pub api: Option<ApiConfig>,
     /// `[metrics]`.
     pub metrics: Option<MetricsConfig>,
+    /// `[telemetry]` (OTLP trace export).
+    pub telemetry: Option<crate::telemetry::TelemetryConfig>,
     /// The tool registry.
     pub registry: Registry,
 }
@@ -343,6 +346,7 @@ impl Config {
             worker: file.worker.unwrap_or_default(),
             api: file.api,
             metrics: file.metrics,
+            telemetry: file.telemetry,
             registry,
         })
     }

@@ -14,6 +14,7 @@ mod config;
 mod dev;
 mod mcp;
 mod roles;
+mod telemetry;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

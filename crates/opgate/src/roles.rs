@@ -37,6 +37,8 @@ pub struct Running {
     pub api_addr: Option<SocketAddr>,
     /// The ledger the roles share.
     pub ledger: opgate_store::SharedLedger,
+    /// The OTLP exporter, flushed when the roles are dropped.
+    _telemetry: crate::telemetry::Telemetry,
 }
 
 /// Waits for a broker to answer before the Kafka roles start: a broker that stays
@@ -68,6 +70,7 @@ pub fn validate(roles: &[String]) -> anyhow::Result<()> {
 pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow::Result<Running> {
     validate(roles)?;
     let has = |r: &str| roles.iter().any(|x| x == r);
+    let telemetry = crate::telemetry::install(config.telemetry.as_ref())?;
     let ledger = opgate_store::open(&config.database_url()?).await?;
     if has("ingest") || has("relay") {
         wait_for_broker(config.kafka()?).await?;
@@ -238,6 +241,7 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
         tasks,
         api_addr,
         ledger,
+        _telemetry: telemetry,
     })
 }
 

@@ -185,3 +185,158 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
         "opgate exited with {status:?} after SIGTERM"
     );
 }
+
+/// `[telemetry] otlp_endpoint`: the provider call is a span in the proposing agent's
+/// trace, exported over OTLP/HTTP, and the provider is sent a `traceparent` naming that
+/// span (same trace, opgate's span as the parent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn provider_calls_are_exported_as_spans_of_the_agents_trace() {
+    use axum::body::Bytes;
+    use axum::http::HeaderMap;
+    use std::sync::{Arc, Mutex};
+
+    let dir = std::env::temp_dir().join(format!("opgate-otlp-{}", Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = opgate_testkit::database_url(&dir).await;
+    opgate_store::migrate(&url).await.expect("migrate");
+    // A collector that keeps every export, and a provider that keeps every traceparent.
+    let exports: Arc<Mutex<Vec<Bytes>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (e, s) = (exports.clone(), seen.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/traces",
+            axum::routing::post(move |body: Bytes| async move {
+                e.lock().expect("lock").push(body);
+                ""
+            }),
+        )
+        .route(
+            "/payments",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+                    s.lock().expect("lock").push(tp.to_owned());
+                }
+                axum::Json(json!({"charge_id": "ch_otlp"}))
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let fake = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let config = dir.join("opgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{url}\"\n[telemetry]\notlp_endpoint = \"http://{fake}\"\nservice_name = \"opgate-test\"\n{}",
+            CONFIG.replace("PORT", &port.to_string())
+        ),
+    )
+    .expect("config");
+    let mut child = support::Reaped::spawn(
+        Command::new(env!("CARGO_BIN_EXE_opgate"))
+            .args(["run", "--config"])
+            .arg(&config)
+            .args(["--roles", "api,dispatch"])
+            .env("OPGATE_SIM_URL", format!("http://{fake}"))
+            .env("TEST_OPERATOR_TOKEN", "s3cret-s3cret-s3cret")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("opgate.log")).expect("log"),
+            )),
+    );
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    while http
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .map(|r| r.status().is_success())
+        .ok()
+        != Some(true)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never ready; see {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let agent_span = "00f067aa0ba902b7";
+    let created: Value = http
+        .post(format!("{base}/v1/proposals"))
+        .bearer_auth("s3cret-s3cret-s3cret")
+        .header("traceparent", format!("00-{trace_id}-{agent_span}-01"))
+        .json(&json!({"event_id": "otlp-1", "tool": "capture_payment",
+            "entity": {"type": "order", "id": "o1"}, "args": {"amount": "5.00", "currency": "usd"}}))
+        .send()
+        .await
+        .expect("post")
+        .json()
+        .await
+        .expect("json");
+    let id = created["operation"]["operation_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let settled: Value = http
+        .get(format!("{base}/v1/operations/{id}?wait=15s"))
+        .bearer_auth("s3cret-s3cret-s3cret")
+        .send()
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(settled["status"], "completed_success", "{settled}");
+
+    // The provider saw the agent's trace with opgate's call span as the parent.
+    let sent = seen.lock().expect("lock").clone();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let parts: Vec<&str> = sent[0].split('-').collect();
+    assert_eq!((parts[0], parts[1]), ("00", trace_id), "{sent:?}");
+    assert_ne!(
+        parts[2], agent_span,
+        "the provider's parent is opgate's span: {sent:?}"
+    );
+    // The collector got that span (protobuf: the ids as raw bytes, names as text).
+    let hex = |s: &str| {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+            .collect::<Vec<u8>>()
+    };
+    let contains = |body: &[u8], needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+    let wanted: [Vec<u8>; 5] = [
+        hex(trace_id),
+        hex(parts[2]),
+        hex(agent_span),
+        b"opgate.dispatch".to_vec(),
+        b"opgate-test".to_vec(),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let bodies = exports.lock().expect("lock").clone();
+        if bodies.iter().any(|b| wanted.iter().all(|w| contains(b, w))) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no export with the call span ({} exports)",
+            bodies.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let status = support::terminate(&mut child, "opgate run");
+    assert!(status.success(), "{status:?}");
+}
