@@ -5,7 +5,8 @@
 //!   operations through the read routes, and `GET /v1/tools` (the tools it may propose);
 //! - viewer: `GET /v1/operations` (filters, cursor), `GET /v1/operations/{id}` (`?wait=10s`
 //!   long-polls until settled; an id may be shortened to a unique prefix),
-//!   `GET /v1/operations/{id}/{events|attempts|results}`, `GET /v1/overview?window=1h`,
+//!   `GET /v1/operations/{id}/{events|attempts|results}`, `GET /v1/overview?window=1h`
+//!   (computed at most once per [`OVERVIEW_TTL`] per window),
 //!   `GET /metrics`;
 //! - operator: everything a viewer may, plus `POST /v1/proposals` and `POST
 //!   /v1/operations/{id}/{approve|reject|cancel|resolve|compensate}` — never approving
@@ -51,7 +52,15 @@ pub struct ApiState {
     limits: Limits,
     tokens: Arc<Vec<Token>>,
     checks: Vec<(&'static str, ReadinessCheck)>,
+    overviews: Arc<tokio::sync::Mutex<OverviewCache>>,
 }
+
+/// Overviews by window, with when each was computed.
+type OverviewCache =
+    std::collections::HashMap<std::time::Duration, (std::time::Instant, views::OverviewView)>;
+
+/// How long a computed `GET /v1/overview` answer is served before it is read again.
+pub const OVERVIEW_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl ApiState {
     /// State over a ledger and registry with these tokens (names and secrets unique).
@@ -68,6 +77,7 @@ impl ApiState {
             limits,
             tokens: Arc::new(tokens),
             checks: Vec::new(),
+            overviews: Arc::default(),
         })
     }
 

@@ -28,8 +28,8 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
         .map_err(|_| ApiError::bad_request("invalid_id", format!("`{id}` is not an operation id")))
 }
 
-/// The operation an id names: a whole id, or for a viewer or operator the start of one
-/// (at least 4 hex digits) that exactly one operation's id begins with.
+/// The operation an id names in a read route: a whole id, or for a viewer or operator the
+/// start of one (at least 4 hex digits) that exactly one operation's id begins with.
 async fn resolve_id(state: &ApiState, caller: &Principal, text: &str) -> Result<Uuid, ApiError> {
     if let Ok(id) = Uuid::parse_str(text) {
         return Ok(id);
@@ -105,8 +105,10 @@ pub(crate) struct OverviewQuery {
     window: Option<String>,
 }
 
-/// `GET /v1/overview?window=1h` (viewer or operator; the window is 1 minute to 7 days,
-/// 1 hour when not given).
+/// `GET /v1/overview?window=1h` (viewer or operator; the window is 1 minute to 24 hours,
+/// 1 hour when not given). The answer for a window is computed at most once per
+/// [`crate::OVERVIEW_TTL`] and shared: consoles left open poll it, and it groups the
+/// window's inbox rows.
 pub(crate) async fn overview(
     State(state): State<ApiState>,
     Extension(caller): Extension<Principal>,
@@ -118,16 +120,25 @@ pub(crate) async fn overview(
         Some(w) => opgate_core::registry::parse_duration(w)
             .map_err(|m| ApiError::bad_request("invalid_window", format!("window: {m}")))?,
     };
-    if !(Duration::from_secs(60)..=Duration::from_secs(7 * 86_400)).contains(&window) {
+    if !(Duration::from_secs(60)..=Duration::from_secs(86_400)).contains(&window) {
         return Err(ApiError::bad_request(
             "invalid_window",
-            "window must be from 1m to 7d",
+            "window must be from 1m to 24h",
         ));
+    }
+    // One computation per window at a time: concurrent callers wait for it and share it.
+    let mut cache = state.overviews.lock().await;
+    if let Some((at, view)) = cache.get(&window)
+        && at.elapsed() < crate::OVERVIEW_TTL
+    {
+        return Ok(Json(view.clone()));
     }
     let stats = state.ledger.stats().await?;
     let since = stats.now - window;
     let activity = state.ledger.activity(since).await?;
-    Ok(Json(OverviewView::new(&stats, &activity, window)))
+    let view = OverviewView::new(&stats, &activity, window);
+    cache.insert(window, (Instant::now(), view.clone()));
+    Ok(Json(view))
 }
 
 /// An operation this caller may see (404 otherwise, as for an unknown id).
@@ -310,7 +321,9 @@ pub(crate) async fn act(
     body: Option<Json<Value>>,
 ) -> Result<Response, ApiError> {
     caller.require_operator(&format!("`{action}`"))?;
-    let id = resolve_id(&state, &caller, &id).await?;
+    // A command names its operation in full: a short prefix pasted into the wrong
+    // environment could match an unrelated operation there and act on it.
+    let id = parse_id(&id)?;
     let body: ActionBody = match body {
         None => ActionBody::default(),
         Some(Json(v)) => serde_json::from_value(v)

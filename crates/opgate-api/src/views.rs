@@ -428,9 +428,13 @@ pub struct UnknownView {
     /// Operations that entered `unknown_outcome`.
     pub entered: i64,
     /// Those that left it, per `by/state` (`reconciler/completed_success`,
-    /// `person/completed_noop`, ...).
+    /// `person/completed_noop`, `reconciler/needs_attention` for an escalation, ...).
     pub resolved: Vec<CountView>,
-    /// Share of those that left it without a person (none when none left).
+    /// Those the reconciler handed to a person (`needs_attention`): they are not resolved.
+    #[serde(default)]
+    pub escalated: i64,
+    /// Share of those that left it that the reconciler settled, without a person and
+    /// without escalating (none when none left).
     pub resolved_without_person: Option<f64>,
     /// Mean time unknown, for those that left it.
     pub mean_ms: Option<f64>,
@@ -465,6 +469,7 @@ impl OverviewView {
             (name, d.count)
         }));
         let exits = &activity.unknown_exits;
+        let escalation = Status::NeedsAttention.as_str();
         let resolved = tally(&mut exits.iter().map(|e| {
             let by = if e.by_person { "person" } else { "reconciler" };
             (format!("{by}/{}", e.to), 1)
@@ -485,8 +490,13 @@ impl OverviewView {
             unknown: UnknownView {
                 entered: activity.unknown_entered,
                 resolved,
+                escalated: exits.iter().filter(|e| e.to == escalation).count() as i64,
                 resolved_without_person: (!exits.is_empty()).then(|| {
-                    exits.iter().filter(|e| !e.by_person).count() as f64 / exits.len() as f64
+                    exits
+                        .iter()
+                        .filter(|e| !e.by_person && e.to != escalation)
+                        .count() as f64
+                        / exits.len() as f64
                 }),
                 mean_ms: (!waits.is_empty())
                     .then(|| waits.iter().sum::<i64>() as f64 / waits.len() as f64),
@@ -508,6 +518,39 @@ fn nearest_rank(sorted: &[i64], p: f64) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_escalation_is_not_resolved_without_a_person() {
+        use opgate_store::{Activity, LedgerStats, UnknownExit};
+        let now = time::OffsetDateTime::now_utc();
+        let exit = |to: &str, by_person| UnknownExit {
+            to: to.into(),
+            by_person,
+            waited_ms: Some(10),
+        };
+        let activity = Activity {
+            since: now,
+            now,
+            decisions: Vec::new(),
+            unknown_entered: 4,
+            unknown_exits: vec![
+                exit("completed_success", false),
+                exit("needs_attention", false),
+                exit("completed_noop", true),
+                exit("completed_success", false),
+            ],
+        };
+        let stats = LedgerStats {
+            live: Vec::new(),
+            queue: Vec::new(),
+            relay_pending: 0,
+            relay_oldest: None,
+            now,
+        };
+        let o = OverviewView::new(&stats, &activity, std::time::Duration::from_secs(60));
+        assert_eq!(o.unknown.escalated, 1);
+        assert_eq!(o.unknown.resolved_without_person, Some(0.5));
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

@@ -1032,6 +1032,20 @@ async fn an_operation_id_may_be_shortened_to_a_unique_prefix() {
             "{body}"
         );
     }
+    // A command names its operation in full.
+    let (s, body) = a
+        .call(
+            "POST",
+            &format!("/v1/operations/{unique}/cancel"),
+            OPERATOR,
+            Some(json!({"reason": "r"})),
+        )
+        .await;
+    assert_eq!(
+        (s, body["error"]["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("invalid_id")),
+        "{body}"
+    );
     let absent = if one.starts_with('0') { "ffff" } else { "0000" };
     for (path, token, code, want) in [
         (

@@ -32,6 +32,7 @@ const RESOLUTIONS = {
 
 let me = null;          // GET /v1/me
 let timers = [];        // refresh timers of the page on screen
+let page = 0;           // bumped on every navigation: a late answer for an earlier page is dropped
 let tools = null;       // GET /v1/tools, by name
 const samples = [];     // overview samples kept while the tab is open
 
@@ -64,8 +65,10 @@ function status(s) {
   return el("span", { class: "status " + s, text: s });
 }
 
+// Ids are time-ordered (UUIDv7): ids made in the same minute share 8 characters, 13
+// reach the millisecond.
 function opLink(id, label) {
-  return el("a", { href: "#/operations/" + encodeURIComponent(id), class: "mono", text: label || id.slice(0, 8) });
+  return el("a", { href: "#/operations/" + encodeURIComponent(id), class: "mono", title: id, text: label || id.slice(0, 13) });
 }
 
 function when(rfc3339) {
@@ -88,12 +91,21 @@ function json(value) {
 }
 
 function clearTimers() {
-  timers.forEach(clearInterval);
+  timers.forEach(clearTimeout);
   timers = [];
 }
 
+// Runs `fn` again `ms` after the previous run finished (never two at once), for as long
+// as the page that asked is on screen.
 function every(ms, fn) {
-  timers.push(setInterval(fn, ms));
+  const mine = page;
+  const tick = async () => {
+    if (mine !== page) return;
+    try { await fn(); } finally {
+      if (mine === page) timers.push(setTimeout(tick, ms));
+    }
+  };
+  timers.push(setTimeout(tick, ms));
 }
 
 // ---------- the API ----------
@@ -149,8 +161,11 @@ async function signIn(token) {
   try {
     me = await api("/v1/me");
   } catch (e) {
-    sessionStorage.removeItem(TOKEN_KEY);
-    if (e.status === 401) throw new Error("This token was refused: " + e.message);
+    // Only a refused token is forgotten; a network error or a 5xx keeps it for a retry.
+    if (e.status === 401) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      throw new Error("This token was refused: " + e.message);
+    }
     throw e;
   }
   if (me.role === "agent") {
@@ -166,24 +181,29 @@ async function signIn(token) {
 
 function route() {
   clearTimers();
+  page += 1;
   if (!me) return;
   const hash = location.hash.replace(/^#/, "") || "/overview";
   const [path, query] = hash.split("?");
   const params = new URLSearchParams(query || "");
   const parts = path.split("/").filter(Boolean);
-  const page = parts[0] || "overview";
+  const name = parts[0] || "overview";
   document.querySelectorAll("nav a").forEach((a) => {
-    a.classList.toggle("active", a.dataset.page === page && parts.length < 2);
+    a.classList.toggle("active", a.dataset.page === name && parts.length < 2);
   });
   const view = document.getElementById("view");
   view.replaceChildren();
-  if (page === "operations" && parts[1]) return operationPage(view, decodeURIComponent(parts[1]));
-  if (page === "operations") return listPage(view, "Operations", params, true);
-  if (page === "approvals") {
+  if (name === "operations" && parts[1]) {
+    let id = parts[1];
+    try { id = decodeURIComponent(id); } catch { /* shown as typed; the API says what is wrong */ }
+    return operationPage(view, id);
+  }
+  if (name === "operations") return listPage(view, "Operations", params, true);
+  if (name === "approvals") {
     return listPage(view, "Approvals", new URLSearchParams({ status: "awaiting_approval" }), false,
       "Irreversible or approval-required operations wait here for an operator. The one who proposed an operation cannot approve it.");
   }
-  if (page === "attention") {
+  if (name === "attention") {
     return listPage(view, "Needs attention", new URLSearchParams({ status: "needs_attention" }), false,
       "Outcomes the reconciler could not settle: look at the provider, then resolve each one with what happened.");
   }
@@ -268,15 +288,17 @@ function listPage(view, title, params, withFilters, help) {
     el("td", { text: op.agent_id || "" }),
     el("td", { text: String(op.attempt_count) }),
     el("td", { title: op.updated_at, text: ago(op.updated_at) }));
+  const mine = page;
   const load = async (append) => {
     try {
-      const page = await api(query(append ? state.cursor : null));
+      const answer = await api(query(append ? state.cursor : null));
+      if (mine !== page) return;
       error.textContent = "";
       if (!append) tbody.replaceChildren();
-      page.operations.forEach((op) => tbody.append(row(op)));
-      state.cursor = page.next_cursor;
-      more.hidden = !page.next_cursor;
-      counter.textContent = tbody.children.length + (page.next_cursor ? "+" : "") + " operations";
+      answer.operations.forEach((op) => tbody.append(row(op)));
+      state.cursor = answer.next_cursor;
+      more.hidden = !answer.next_cursor;
+      counter.textContent = tbody.children.length + (answer.next_cursor ? "+" : "") + " operations";
       if (!tbody.children.length) tbody.append(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No operations." })));
     } catch (e) {
       error.textContent = e.message;
@@ -427,10 +449,12 @@ function operationPage(view, id) {
   view.append(head, error, message, body);
   let lastUpdate = null;
   let keepActions = null;
+  const mine = page;
 
   const load = async () => {
     try {
       const op = await api("/v1/operations/" + encodeURIComponent(id));
+      if (mine !== page) return;
       if (op.operation_id !== id) {
         // An id prefix: show the canonical address.
         history.replaceState(null, "", "#/operations/" + op.operation_id);
@@ -442,6 +466,7 @@ function operationPage(view, id) {
         api("/v1/operations/" + id + "/results"),
         loadTools().catch(() => ({})),
       ]);
+      if (mine !== page) return;
       error.textContent = "";
       const fingerprint = op.updated_at + op.status + events.events.length + results.results.map((r) => r.published_at).join();
       if (fingerprint === lastUpdate) return;
@@ -532,8 +557,9 @@ function formatNumber(n) {
 }
 
 function overviewPage(view) {
-  const windows = { "5m": "5 minutes", "1h": "1 hour", "24h": "24 hours", "7d": "7 days" };
+  const windows = { "5m": "5 minutes", "1h": "1 hour", "24h": "24 hours" };
   let win = sessionStorage.getItem("opgate.console.window") || "1h";
+  if (!windows[win]) win = "1h";
   const select = el("select", { id: "window" }, Object.entries(windows).map(([v, t]) => el("option", { value: v, text: t })));
   select.value = win;
   select.addEventListener("change", () => { win = select.value; sessionStorage.setItem("opgate.console.window", win); load(); });
@@ -541,9 +567,11 @@ function overviewPage(view) {
   const body = el("div");
   view.append(el("h1", { text: "Overview" }), el("div", { class: "toolbar" }, el("label", {}, "window", select)), error, body);
 
+  const mine = page;
   const load = async () => {
     try {
       const o = await api("/v1/overview?window=" + win);
+      if (mine !== page) return;
       error.textContent = "";
       const queued = o.queue.filter((q) => q.name !== "done").reduce((s, q) => s + q.count, 0);
       samples.push({ queued, lag: o.relay_lag_seconds, pending: o.relay_pending });
@@ -571,6 +599,7 @@ function overviewPage(view) {
             el("div", { class: "stats" },
               stat("became unknown", u.entered),
               stat("resolved without a person", share),
+              stat("handed to a person", u.escalated ?? 0),
               stat("mean time unknown", u.mean_ms === null ? "—" : formatNumber(u.mean_ms) + " ms"),
               stat("p99 time unknown", u.p99_ms === null ? "—" : u.p99_ms + " ms")),
             barChart(u.resolved, "chart-unknown")),

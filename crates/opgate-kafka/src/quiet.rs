@@ -89,7 +89,7 @@ pub fn report(source: &str, error: &KafkaError, reason: &str) {
                 %error,
                 reason,
                 repeated = left_out,
-                "{source} (again; {left_out} more like it in the last {}s were not logged)",
+                "{source} (again; {left_out} more like it since the last line, at most one line per {}s)",
                 SUMMARY_EVERY.as_secs()
             );
         }
@@ -111,7 +111,7 @@ pub fn log(level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
                     tracing::warn!(
                         target: "librdkafka",
                         repeated = left_out,
-                        "{fac}: {message} (again; {left_out} more like it in the last {}s were not logged)",
+                        "{fac}: {message} (again; {left_out} more like it since the last line, at most one line per {}s)",
                         SUMMARY_EVERY.as_secs()
                     );
                 }

@@ -46,7 +46,9 @@ pub fn format_traceparent(context: &SpanContext) -> String {
     )
 }
 
-/// One provider call (or lookup) as a span.
+/// One provider call (or lookup) as a span. Its attributes name the operation, tool,
+/// namespace and attempt — not the idempotency key, which may carry a customer's
+/// identifiers: the operation id leads to it in the ledger.
 pub struct CallSpan {
     cx: Context,
     fallback: Option<String>,
@@ -60,7 +62,6 @@ impl CallSpan {
             KeyValue::new("opgate.operation_id", op.operation_id.to_string()),
             KeyValue::new("opgate.tool", op.tool.clone()),
             KeyValue::new("opgate.namespace", op.namespace.clone()),
-            KeyValue::new("opgate.idempotency_key", op.idempotency_key.clone()),
             KeyValue::new("opgate.attempt_count", i64::from(op.attempt_count)),
         ];
         if let Some(attempt) = attempt {

@@ -131,7 +131,7 @@ pub enum OpsCommand {
     },
     /// Approve an operation awaiting approval.
     Approve {
-        /// Operation id, or its start (4 hex digits or more) when only one id begins so.
+        /// Operation id (whole: a command never acts on a shortened id).
         id: String,
         /// Why (recorded in the history).
         #[arg(long)]
@@ -139,7 +139,7 @@ pub enum OpsCommand {
     },
     /// Reject an operation awaiting approval.
     Reject {
-        /// Operation id, or its start (4 hex digits or more) when only one id begins so.
+        /// Operation id (whole: a command never acts on a shortened id).
         id: String,
         /// Why.
         #[arg(long)]
@@ -147,7 +147,7 @@ pub enum OpsCommand {
     },
     /// Cancel an operation that has not been sent.
     Cancel {
-        /// Operation id, or its start (4 hex digits or more) when only one id begins so.
+        /// Operation id (whole: a command never acts on a shortened id).
         id: String,
         /// Why.
         #[arg(long)]
@@ -155,7 +155,7 @@ pub enum OpsCommand {
     },
     /// Settle an unknown outcome or a needs_attention operation by hand.
     Resolve {
-        /// Operation id, or its start (4 hex digits or more) when only one id begins so.
+        /// Operation id (whole: a command never acts on a shortened id).
         id: String,
         /// What happened at the provider.
         #[arg(long, value_parser = ["succeeded", "noop", "failed", "redispatch"])]
@@ -169,7 +169,7 @@ pub enum OpsCommand {
     },
     /// Undo a completed operation with its tool's compensation.
     Compensate {
-        /// Operation id, or its start (4 hex digits or more) when only one id begins so.
+        /// Operation id (whole: a command never acts on a shortened id).
         id: String,
         /// Why.
         #[arg(long)]

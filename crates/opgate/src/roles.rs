@@ -47,13 +47,16 @@ pub struct Running {
 async fn wait_for_broker(kafka: &opgate_kafka::KafkaConfig) -> anyhow::Result<()> {
     let probe = opgate_kafka::BrokerProbe::new(kafka, Duration::from_secs(2))?;
     let deadline = Duration::from_millis(kafka.startup_timeout_ms);
-    probe.wait_until_up(deadline).await.map_err(|e| {
-        anyhow::anyhow!(
-            "no Kafka broker answered at {} within {} s (kafka.startup_timeout_ms; 0 waits forever): {e}",
-            kafka.brokers,
-            deadline.as_secs()
-        )
-    })
+    // SIGTERM while waiting stops the start (as PID 1 in a container, nothing else would).
+    tokio::select! {
+        up = probe.wait_until_up(deadline) => up.map_err(|e| {
+            anyhow::anyhow!(
+                "no Kafka broker answered at {} within {deadline:?} (kafka.startup_timeout_ms; 0 waits forever): {e}",
+                kafka.brokers,
+            )
+        }),
+        () = shutdown_signal() => bail!("stopped by a signal while waiting for a Kafka broker at {}", kafka.brokers),
+    }
 }
 
 /// Checks role names before anything starts.

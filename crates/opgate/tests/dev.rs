@@ -753,7 +753,7 @@ fn run_without_a_broker_gives_up_at_the_startup_deadline_and_logs_little() {
     let took = started.elapsed();
     assert!(!ok, "run succeeded without a broker: {err}");
     assert!(
-        err.contains("no Kafka broker answered at 127.0.0.1:1 within 3 s"),
+        err.contains("no Kafka broker answered at 127.0.0.1:1 within 3s"),
         "{err}"
     );
     assert!(
