@@ -103,7 +103,7 @@ pub fn log(level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
     use rdkafka::config::RDKafkaLogLevel as L;
     match level {
         L::Emerg | L::Alert | L::Critical | L::Error | L::Warning => {
-            let kind = format!("librdkafka {fac}");
+            let kind = format!("librdkafka {fac}: {}", log_kind(message));
             if let Some(left_out) = throttle().admit(&kind, Instant::now(), SUMMARY_EVERY) {
                 if left_out == 0 {
                     tracing::warn!(target: "librdkafka", "{fac}: {message}");
@@ -119,6 +119,15 @@ pub fn log(level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
         }
         L::Notice | L::Info | L::Debug => tracing::debug!(target: "librdkafka", "{fac}: {message}"),
     }
+}
+
+/// What a librdkafka log line is about, without what varies between repeats of it:
+/// the text after its last `": "` (the cause: `Connection refused (after 0ms in state
+/// CONNECT)`, `SSL handshake failed ...`) with digits dropped, so a refused connection to
+/// each broker is one kind and a TLS failure another.
+fn log_kind(message: &str) -> String {
+    let cause = message.rsplit(": ").next().unwrap_or(message);
+    cause.chars().filter(|c| !c.is_ascii_digit()).collect()
 }
 
 /// A client context that reports librdkafka's errors through the throttle (producers
@@ -159,6 +168,20 @@ mod tests {
         // After the period: one line, counting what was left out.
         assert_eq!(t.admit("AllBrokersDown", start + every, every), Some(289));
         assert_eq!(t.admit("AllBrokersDown", start + every, every), None);
+    }
+
+    #[test]
+    fn log_lines_are_grouped_by_their_cause_not_their_broker() {
+        let refused = |port: u16| {
+            log_kind(&format!(
+                "[thrd:127.0.0.1:{port}/bootstrap]: 127.0.0.1:{port}/bootstrap: Connect to ipv4#127.0.0.1:{port} failed: Connection refused (after 0ms in state CONNECT)"
+            ))
+        };
+        assert_eq!(refused(9092), refused(9093));
+        let tls = log_kind(
+            "[thrd:b1:9093/1]: b1:9093/1: SSL handshake failed: error:0A000086: certificate verify failed",
+        );
+        assert_ne!(tls, refused(9092));
     }
 
     #[test]

@@ -27,12 +27,27 @@ fn default_service_name() -> String {
 /// Flushes and stops the exporter when dropped (at the end of `run` or `dev`).
 pub struct Telemetry(Option<SdkTracerProvider>);
 
+/// How long stopping waits for the last spans to be exported.
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Drop for Telemetry {
     fn drop(&mut self) {
-        if let Some(provider) = self.0.take()
-            && let Err(e) = provider.shutdown()
-        {
-            tracing::warn!(error = %e, "OTLP exporter shutdown");
+        let Some(provider) = self.0.take() else {
+            return;
+        };
+        // The exporter's shutdown blocks until its last batch is sent (or times out
+        // against an unreachable collector): wait for it on its own thread, at most
+        // FLUSH_WAIT, so stopping never hangs on the collector.
+        let (done, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(provider.shutdown());
+        });
+        match wait.recv_timeout(FLUSH_WAIT) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "OTLP exporter shutdown"),
+            Err(_) => {
+                tracing::warn!("OTLP exporter: the last spans were not sent within {FLUSH_WAIT:?}")
+            }
         }
     }
 }
