@@ -39,6 +39,23 @@ SELECT operation_id, entity_key, false, 'waiting', now(), tool
 FROM operations WHERE status = 'failed_retryable';
 INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at, published_at)
 SELECT operation_id, 1, status, entity_key, '{}', created_at, updated_at FROM operations;
+-- The console's reads: an inbox row per operation (1% of them duplicates), its first
+-- history event, and for each unknown_outcome operation, the event that made it so; a
+-- settled 1% also left unknown_outcome (half by the reconciler, half by a person).
+INSERT INTO inbox (source_id, operation_id, decision, reason, received_at)
+SELECT event_id, operation_id, 'accepted', NULL, created_at FROM operations;
+INSERT INTO inbox (source_id, operation_id, decision, reason, received_at)
+SELECT event_id || '-dup', operation_id, 'deduplicated', 'key', created_at FROM operations
+WHERE idempotency_key LIKE '%00';
+INSERT INTO operation_events (operation_id, from_status, to_status, reason, epoch, at)
+SELECT operation_id, NULL, 'pending_dispatch', 'ingested', 0, created_at FROM operations;
+INSERT INTO operation_events (operation_id, from_status, to_status, reason, epoch, at)
+SELECT operation_id, 'dispatched', 'unknown_outcome', 'timeout_after_send', 1, updated_at
+FROM operations WHERE status = 'unknown_outcome';
+INSERT INTO operation_events (operation_id, from_status, to_status, reason, epoch, actor, at, detail)
+SELECT operation_id, 'unknown_outcome', 'completed_success', 'lookup_found', 1,
+  CASE WHEN idempotency_key LIKE '%3' THEN 'ops' END, updated_at, '{"unknown_for_ms": 1500}'
+FROM operations WHERE status = 'completed_success' AND idempotency_key LIKE '%03';
 ANALYZE;
 SQL
 echo "loaded $(psql -tAq "$url" -c 'SELECT COUNT(*) FROM operations') operations in $(( $(date +%s) - started )) s"
@@ -70,6 +87,16 @@ explain "/metrics stats: live operations" "SELECT tool, side_effect_class, statu
 explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state"
 explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
 explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
+# The console (crates/opgate-store common.rs: DECISIONS_SQL, unknown_*_sql, RESULTS_SQL;
+# ids_between), over the last hour of this history (created over the last N seconds).
+since="now() - interval '1 hour'"
+explain "console overview: ingest decisions, last hour" "SELECT decision, reason, COUNT(*) AS n FROM inbox WHERE received_at >= $since GROUP BY decision, reason ORDER BY n DESC, decision, reason"
+unknown="(from_status = 'unknown_outcome' OR to_status = 'unknown_outcome')"
+explain "console overview: became unknown, last hour" "SELECT COUNT(*) FROM operation_events WHERE $unknown AND at >= $since AND to_status = 'unknown_outcome' AND COALESCE(from_status, '') <> 'unknown_outcome'"
+explain "console overview: left unknown, last hour" "SELECT to_status, actor IS NOT NULL AS by_person, detail FROM operation_events WHERE $unknown AND at >= $since AND from_status = 'unknown_outcome' AND to_status <> 'unknown_outcome' ORDER BY at DESC LIMIT 100000"
+one=$(psql -tAq "$url" -c "SELECT operation_id FROM operations OFFSET 4242 LIMIT 1")
+explain "console: an operation's result messages" "SELECT seq, status, created_at, published_at FROM result_outbox WHERE operation_id = '$one' ORDER BY id"
+explain "console: an id prefix (13 characters)" "SELECT operation_id FROM operations WHERE operation_id BETWEEN '${one:0:13}-0000-0000-000000000000' AND '${one:0:13}-ffff-ffff-ffffffffffff' ORDER BY operation_id LIMIT 2"
 
 if [ "${P4_SETTLE:-}" = 1 ]; then
   # Leave pure history for `opgate bench e2e --database-url $url` (its own operations
