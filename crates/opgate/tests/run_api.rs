@@ -44,95 +44,143 @@ lookup_url = "${OPGATE_SIM_URL}/payments?idempotency_key={key}"
 external_id_pointer = "/charge_id"
 "#;
 
+const TOKEN: &str = "s3cret-s3cret-s3cret";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// An `opgate run` child process with `CONFIG` (plus `extra` TOML) over a migrated
+/// ledger, its tools calling `provider`, once its API answers `/readyz`.
+struct Run {
+    child: support::Reaped,
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Run {
+    async fn start(
+        name: &str,
+        extra: &str,
+        roles: &str,
+        provider: std::net::SocketAddr,
+        sets: &[String],
+    ) -> Self {
+        let dir = std::env::temp_dir().join(format!("opgate-{name}-{}", Uuid::now_v7()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let url = opgate_testkit::database_url(&dir).await;
+        opgate_store::migrate(&url).await.expect("migrate");
+        let port = free_port();
+        let config = dir.join("opgate.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[database]\nurl = \"{url}\"\n{extra}{}",
+                CONFIG.replace("PORT", &port.to_string())
+            ),
+        )
+        .expect("config");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_opgate"));
+        command
+            .args(["run", "--config"])
+            .arg(&config)
+            .args(["--roles", roles]);
+        for set in sets {
+            command.arg("--set").arg(set);
+        }
+        let child = support::Reaped::spawn(
+            command
+                .env("OPGATE_SIM_URL", format!("http://{provider}"))
+                .env("TEST_OPERATOR_TOKEN", TOKEN)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::File::create(dir.join("opgate.log")).expect("log"),
+                )),
+        );
+        let http = reqwest::Client::new();
+        let base = format!("http://127.0.0.1:{port}");
+        let started = Instant::now();
+        while http
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .ok()
+            != Some(true)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the API never became ready; see {}",
+                dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Self { child, http, base }
+    }
+
+    /// Proposes over HTTP (with a `traceparent` header when given), expects it accepted,
+    /// and long-polls the operation until it settles.
+    async fn propose_and_settle(&self, proposal: Value, traceparent: Option<&str>) -> Value {
+        let mut post = self
+            .http
+            .post(format!("{}/v1/proposals", self.base))
+            .bearer_auth(TOKEN);
+        if let Some(tp) = traceparent {
+            post = post.header("traceparent", tp);
+        }
+        let created: Value = post
+            .json(&proposal)
+            .send()
+            .await
+            .expect("post")
+            .json()
+            .await
+            .expect("json");
+        assert_eq!(created["decision"], "accepted", "{created}");
+        let id = created["operation"]["operation_id"]
+            .as_str()
+            .expect("id")
+            .to_owned();
+        self.http
+            .get(format!("{}/v1/operations/{id}?wait=15s", self.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json")
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
-    let dir = std::env::temp_dir().join(format!("opgate-run-api-{}", Uuid::now_v7()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let url = opgate_testkit::database_url(&dir).await;
-    opgate_store::migrate(&url).await.expect("migrate");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let config = dir.join("opgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[database]\nurl = \"{url}\"\n{}",
-            CONFIG.replace("PORT", &port.to_string())
-        ),
-    )
-    .expect("config");
+    let metrics_port = free_port();
     let sim = Sim::new(SimConfig::default());
     let (sim_addr, _server) = opgate_sim::start("127.0.0.1:0".parse().expect("addr"), sim.clone())
         .await
         .expect("sim");
-
-    let mut child = support::Reaped::spawn(
-        Command::new(env!("CARGO_BIN_EXE_opgate"))
-            .args(["run", "--config"])
-            .arg(&config)
-            .args(["--roles", "api,dispatch,reconcile"])
-            .arg("--set")
-            .arg(format!("metrics.listen=127.0.0.1:{metrics_port}"))
-            .env("OPGATE_SIM_URL", format!("http://{sim_addr}"))
-            .env("TEST_OPERATOR_TOKEN", "s3cret-s3cret-s3cret")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join("opgate.log")).expect("log"),
-            )),
-    );
-    let http = reqwest::Client::new();
-    let base = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    while http
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .map(|r| r.status().is_success())
-        .ok()
-        != Some(true)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the API never became ready; see {}",
-            dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let proposal = json!({"event_id": "http-1", "tool": "capture_payment", "entity": {"type": "order", "id": "o1"},
-        "args": {"amount": "49.00", "currency": "usd"}});
-    let created: Value = http
-        .post(format!("{base}/v1/proposals"))
-        .bearer_auth("s3cret-s3cret-s3cret")
-        .json(&proposal)
-        .send()
-        .await
-        .expect("post")
-        .json()
-        .await
-        .expect("json");
-    assert_eq!(created["decision"], "accepted", "{created}");
-    let id = created["operation"]["operation_id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    let settled: Value = http
-        .get(format!("{base}/v1/operations/{id}?wait=15s"))
-        .bearer_auth("s3cret-s3cret-s3cret")
-        .send()
-        .await
-        .expect("get")
-        .json()
-        .await
-        .expect("json");
+    let mut run = Run::start(
+        "run-api",
+        "",
+        "api,dispatch,reconcile",
+        sim_addr,
+        &[format!("metrics.listen=127.0.0.1:{metrics_port}")],
+    )
+    .await;
+    let http = run.http.clone();
+    let settled = run
+        .propose_and_settle(
+            json!({"event_id": "http-1", "tool": "capture_payment", "entity": {"type": "order", "id": "o1"},
+                "args": {"amount": "49.00", "currency": "usd"}}),
+            None,
+        )
+        .await;
     assert_eq!(settled["status"], "completed_success", "{settled}");
     assert!(
         settled["external_id"]
@@ -179,7 +227,7 @@ async fn a_proposal_over_http_is_dispatched_once_and_sigterm_stops_cleanly() {
     }
 
     // SIGTERM: the roles drain and the process exits successfully.
-    let status = support::terminate(&mut child, "opgate run");
+    let status = support::terminate(&mut run.child, "opgate run");
     assert!(
         status.success(),
         "opgate exited with {status:?} after SIGTERM"
@@ -195,10 +243,6 @@ async fn provider_calls_are_exported_as_spans_of_the_agents_trace() {
     use axum::http::HeaderMap;
     use std::sync::{Arc, Mutex};
 
-    let dir = std::env::temp_dir().join(format!("opgate-otlp-{}", Uuid::now_v7()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let url = opgate_testkit::database_url(&dir).await;
-    opgate_store::migrate(&url).await.expect("migrate");
     // A collector that keeps every export, and a provider that keeps every traceparent.
     let exports: Arc<Mutex<Vec<Bytes>>> = Arc::default();
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -226,78 +270,25 @@ async fn provider_calls_are_exported_as_spans_of_the_agents_trace() {
     let fake = listener.local_addr().expect("addr");
     tokio::spawn(async move { axum::serve(listener, app).await });
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let config = dir.join("opgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[database]\nurl = \"{url}\"\n[telemetry]\notlp_endpoint = \"http://{fake}\"\nservice_name = \"opgate-test\"\n{}",
-            CONFIG.replace("PORT", &port.to_string())
+    let mut run = Run::start(
+        "otlp",
+        &format!(
+            "[telemetry]\notlp_endpoint = \"http://{fake}\"\nservice_name = \"opgate-test\"\n"
         ),
+        "api,dispatch",
+        fake,
+        &[],
     )
-    .expect("config");
-    let mut child = support::Reaped::spawn(
-        Command::new(env!("CARGO_BIN_EXE_opgate"))
-            .args(["run", "--config"])
-            .arg(&config)
-            .args(["--roles", "api,dispatch"])
-            .env("OPGATE_SIM_URL", format!("http://{fake}"))
-            .env("TEST_OPERATOR_TOKEN", "s3cret-s3cret-s3cret")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join("opgate.log")).expect("log"),
-            )),
-    );
-    let http = reqwest::Client::new();
-    let base = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    while http
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .map(|r| r.status().is_success())
-        .ok()
-        != Some(true)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "never ready; see {}",
-            dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    .await;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let agent_span = "00f067aa0ba902b7";
-    let created: Value = http
-        .post(format!("{base}/v1/proposals"))
-        .bearer_auth("s3cret-s3cret-s3cret")
-        .header("traceparent", format!("00-{trace_id}-{agent_span}-01"))
-        .json(&json!({"event_id": "otlp-1", "tool": "capture_payment",
-            "entity": {"type": "order", "id": "o1"}, "args": {"amount": "5.00", "currency": "usd"}}))
-        .send()
-        .await
-        .expect("post")
-        .json()
-        .await
-        .expect("json");
-    let id = created["operation"]["operation_id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    let settled: Value = http
-        .get(format!("{base}/v1/operations/{id}?wait=15s"))
-        .bearer_auth("s3cret-s3cret-s3cret")
-        .send()
-        .await
-        .expect("get")
-        .json()
-        .await
-        .expect("json");
+    let settled = run
+        .propose_and_settle(
+            json!({"event_id": "otlp-1", "tool": "capture_payment",
+                "entity": {"type": "order", "id": "o1"}, "args": {"amount": "5.00", "currency": "usd"}}),
+            Some(&format!("00-{trace_id}-{agent_span}-01")),
+        )
+        .await;
     assert_eq!(settled["status"], "completed_success", "{settled}");
 
     // The provider saw the agent's trace with opgate's call span as the parent.
@@ -337,6 +328,6 @@ async fn provider_calls_are_exported_as_spans_of_the_agents_trace() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let status = support::terminate(&mut child, "opgate run");
+    let status = support::terminate(&mut run.child, "opgate run");
     assert!(status.success(), "{status:?}");
 }
