@@ -23,6 +23,12 @@ use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 use config::Config;
 
+/// mimalloc instead of glibc malloc: the hot path makes many small, short-lived
+/// allocations on several threads (rows, JSON values, Kafka messages), where glibc's
+/// arenas spent about a third of opgate's user time (BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// opgate: the execution layer between LLM agents and the side effects they ask for.
 #[derive(Debug, Parser)]
 #[command(
