@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # P4 of issue 10: the ledger's read paths with N operations already in it. Fills a fresh
 # PostgreSQL database with N settled operations (1% still live, spread over 8 tools and
-# N/10 entities in 10 namespaces), N finished dispatch-queue rows and N published
-# results, then prints EXPLAIN ANALYZE of the statements the operations list, /metrics
+# N/10 entities in 10 namespaces; a finished operation has no dispatch-queue row since
+# migration 0006), N published results, then prints EXPLAIN ANALYZE of the statements the operations list, /metrics
 # stats and the dispatcher's claim run.
 #
 #   scripts/p4-explain.sh postgres://postgres@127.0.0.1:5432 1000000 [path/to/opgate]
@@ -31,9 +31,6 @@ SELECT gen_random_uuid(), 'ns' || (i % 10), 'key:' || i, '{}', 'fp' || i, 'ev-' 
 FROM generate_series(1, $n) AS i,
   -- An operation that holds its entity (unknown, needs_attention) gets one of its own.
   LATERAL (SELECT CASE WHEN i % 100 IN (0, 1) THEN 'live' || i ELSE 'o' || (i % ($n / 10)) END AS e) AS entity;
-INSERT INTO dispatch_queue (operation_id, entity_key, is_read, state, ready_at, finished_at)
-SELECT operation_id, entity_key, false, 'done', created_at, updated_at
-FROM operations WHERE status = 'completed_success';
 INSERT INTO dispatch_queue (operation_id, entity_key, is_read, state, ready_at, tool)
 SELECT operation_id, entity_key, false, 'waiting', now(), tool
 FROM operations WHERE status = 'failed_retryable';
@@ -100,8 +97,8 @@ explain "console: an id prefix (13 characters)" "SELECT operation_id FROM operat
 
 if [ "${P4_SETTLE:-}" = 1 ]; then
   # Leave pure history for `opgate bench e2e --database-url $url` (its own operations
-  # then run beside a million settled ones): every live operation settled, the queue done.
+  # then run beside a million settled ones): every live operation settled, the queue empty.
   psql -q "$url" -c "UPDATE operations SET status = 'completed_success', next_attempt_at = NULL WHERE status <> 'completed_success'" \
-    -c "UPDATE dispatch_queue SET state = 'done', finished_at = now() WHERE state <> 'done'" -c ANALYZE
+    -c "DELETE FROM dispatch_queue" -c ANALYZE
   echo "settled every operation (P4_SETTLE=1)"
 fi

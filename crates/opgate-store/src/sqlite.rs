@@ -503,14 +503,22 @@ impl Tx for SqliteTx {
         op: &Operation,
         state: QueueState,
         ready_at: OffsetDateTime,
-        at: OffsetDateTime,
+        _at: OffsetDateTime,
     ) -> Result<()> {
-        let finished_at = (state == QueueState::Done).then(|| ts(at));
+        if state == QueueState::Done {
+            sqlx::query("DELETE FROM dispatch_queue WHERE operation_id = $1")
+                .bind(op.operation_id.to_string())
+                .execute(&mut *self.0)
+                .await?;
+            return Ok(());
+        }
+        // A new row's seq is above every row in the queue (a finished operation's row is
+        // gone, so its seq may be given again: seqs only order the rows present).
         sqlx::query(
-            "INSERT INTO dispatch_queue (operation_id, entity_key, seq, is_read, compensates, state, ready_at, finished_at, tool) \
-             VALUES ($1, $2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM dispatch_queue), $3, $4, $5, $6, $7, $8) \
+            "INSERT INTO dispatch_queue (operation_id, entity_key, seq, is_read, compensates, state, ready_at, tool) \
+             VALUES ($1, $2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM dispatch_queue), $3, $4, $5, $6, $7) \
              ON CONFLICT (operation_id) DO UPDATE \
-             SET state = excluded.state, ready_at = excluded.ready_at, finished_at = excluded.finished_at",
+             SET state = excluded.state, ready_at = excluded.ready_at",
         )
         .bind(op.operation_id.to_string())
         .bind(&op.entity_key)
@@ -518,7 +526,6 @@ impl Tx for SqliteTx {
         .bind(op.compensates.map(|u| u.to_string()))
         .bind(state.as_str())
         .bind(ts(ready_at))
-        .bind(finished_at)
         .bind(&op.tool)
         .execute(&mut *self.0)
         .await?;
@@ -911,22 +918,12 @@ impl Ledger for SqliteLedger {
                 .execute(&mut *tx.0)
                 .await?
                 .rows_affected();
-            let queue =
-                sqlx::query("DELETE FROM dispatch_queue WHERE state = 'done' AND finished_at < $1")
-                    .bind(&cutoff)
-                    .execute(&mut *tx.0)
-                    .await?
-                    .rows_affected();
             let results = sqlx::query("DELETE FROM result_outbox WHERE published_at < $1")
                 .bind(&cutoff)
                 .execute(&mut *tx.0)
                 .await?
                 .rows_affected();
-            ReapStats {
-                inbox,
-                queue,
-                results,
-            }
+            ReapStats { inbox, results }
         })
     }
 

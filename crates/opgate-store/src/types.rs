@@ -376,8 +376,6 @@ pub struct Page {
 pub struct ReapStats {
     /// Inbox rows.
     pub inbox: u64,
-    /// Finished queue rows.
-    pub queue: u64,
     /// Published result rows.
     pub results: u64,
 }
@@ -393,7 +391,7 @@ pub(crate) enum QueueState {
     Inflight,
     /// Ambiguous or with a person: blocks its entity, not claimable.
     Held,
-    /// Finished.
+    /// Finished: the operation leaves the queue (its row is deleted).
     Done,
 }
 

@@ -307,12 +307,7 @@ async fn reaper(
             () = tokio::time::sleep(every) => {}
         }
         match ledger.reap(retention).await {
-            Ok(stats) => info!(
-                inbox = stats.inbox,
-                queue = stats.queue,
-                results = stats.results,
-                "reaped"
-            ),
+            Ok(stats) => info!(inbox = stats.inbox, results = stats.results, "reaped"),
             // The next round tries again; nothing depends on a round succeeding.
             Err(e) => tracing::warn!(error = %e, "reaping failed"),
         }

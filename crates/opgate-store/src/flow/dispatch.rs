@@ -80,22 +80,29 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
             claimed_at: now,
         });
     }
-    tx.insert_attempts_batch(&attempts).await?;
-    tx.insert_events_batch(&events).await?;
     let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
         .iter()
         .map(|op| (op, QueueState::Inflight, now))
         .collect();
-    tx.put_queue_rows(&queue_rows, now).await?;
-    tx.insert_outbox_batch(&outbox).await?;
-    tx.update_operations_batch(&queue).await?;
+    tx.write_rows(
+        &Rows {
+            attempts: &attempts,
+            events: &events,
+            queue: &queue_rows,
+            outbox: &outbox,
+            operations: &queue,
+            finished: &[],
+        },
+        now,
+    )
+    .await?;
     Ok(claims)
 }
 
 /// Records outcomes (see [`crate::Ledger::record`]) with a fixed number of statements
 /// per batch: the operations are locked in one statement, each transition is planned in
-/// memory, and events, queue rows, result rows, operations and attempts are each written
-/// in one statement (row by row where a backend has no batched form). A compensation
+/// memory, and events, queue rows, result rows, operations and attempts are written by
+/// [`Tx::write_rows`]. A compensation
 /// settles its original in the same transaction, so a batch holding one takes the
 /// one-by-one path.
 pub(crate) async fn record<T: Tx>(
@@ -138,13 +145,20 @@ pub(crate) async fn record<T: Tx>(
             }
         }
     }
-    tx.insert_events_batch(&events).await?;
     let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> =
         queue.iter().map(|(op, q, r)| (op, *q, *r)).collect();
-    tx.put_queue_rows(&queue_rows, now).await?;
-    tx.insert_outbox_batch(&outbox).await?;
-    tx.update_operations_batch(&changed).await?;
-    tx.finish_attempts_batch(&finished, now).await?;
+    tx.write_rows(
+        &Rows {
+            attempts: &[],
+            events: &events,
+            queue: &queue_rows,
+            outbox: &outbox,
+            operations: &changed,
+            finished: &finished,
+        },
+        now,
+    )
+    .await?;
     Ok(results)
 }
 
