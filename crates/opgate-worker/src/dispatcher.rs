@@ -1,6 +1,7 @@
 //! The dispatcher: claim, call with the key, classify, record.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +37,11 @@ pub struct DispatcherConfig {
     pub concurrency: usize,
     /// Most calls in flight per tool.
     pub per_tool: usize,
+    /// Per tool, how many more operations a claim may take than there are free permits:
+    /// they wait (leased, at most this many) for a permit the calls in flight give back.
+    /// A claim round then carries a full wave instead of whatever was free when it
+    /// started, which is what bounded throughput (0: claim only what can be sent now).
+    pub prefetch: usize,
     /// Most call outcomes recorded in one ledger transaction (group commit).
     pub record_batch: usize,
     /// Pause when there is nothing to claim.
@@ -57,6 +63,7 @@ impl Default for DispatcherConfig {
             batch: 16,
             concurrency: 64,
             per_tool: 16,
+            prefetch: 16,
             record_batch: 128,
             idle: Duration::from_millis(50),
             acknowledged_poll: Duration::from_secs(2),
@@ -87,10 +94,42 @@ struct Inner {
     registry: Arc<Registry>,
     adapters: Adapters,
     config: DispatcherConfig,
-    per_tool: HashMap<String, Arc<Semaphore>>,
+    per_tool: HashMap<String, ToolSlots>,
     /// Notified when a per-tool permit is given back (the claim loop may claim again).
     tool_freed: Arc<Notify>,
     rng: Mutex<StdRng>,
+}
+
+/// A tool's calls in flight (`per_tool` permits) and the claimed operations waiting for
+/// one of them (at most `prefetch`).
+struct ToolSlots {
+    permits: Arc<Semaphore>,
+    waiting: Arc<AtomicUsize>,
+}
+
+impl ToolSlots {
+    /// How many operations of this tool a claim may take now.
+    fn room(&self, prefetch: usize) -> usize {
+        let waiting = self.waiting.load(Ordering::Acquire);
+        self.permits.available_permits() + prefetch.saturating_sub(waiting)
+    }
+}
+
+/// One claimed operation counted among its tool's waiting ones until it gets a permit
+/// (or is dropped).
+struct Waiting(Arc<AtomicUsize>);
+
+impl Waiting {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Dispatches ready operations.
@@ -109,8 +148,10 @@ pub struct Leased {
     pub deadline: Instant,
     /// When the claim was asked for.
     asked: Instant,
-    /// The per-tool permit, when the claim was sized by it.
+    /// The per-tool permit, when one was free at the claim.
     tool_permit: Option<OwnedSemaphorePermit>,
+    /// Otherwise, its place among the tool's waiting operations.
+    waiting: Option<Waiting>,
 }
 
 impl Leased {
@@ -123,6 +164,7 @@ impl Leased {
             deadline: asked + lease,
             asked,
             tool_permit: None,
+            waiting: None,
         }
     }
 
@@ -174,7 +216,10 @@ impl Dispatcher {
             .map(|t| {
                 (
                     t.name.clone(),
-                    Arc::new(Semaphore::new(config.per_tool.max(1))),
+                    ToolSlots {
+                        permits: Arc::new(Semaphore::new(config.per_tool.max(1))),
+                        waiting: Arc::new(AtomicUsize::new(0)),
+                    },
                 )
             })
             .collect();
@@ -225,15 +270,16 @@ impl Dispatcher {
         info!("dispatcher stopped");
     }
 
-    /// Claims up to `limit` operations, at most as many of each tool as it has free
-    /// permits, and takes those permits with the claims.
+    /// Claims up to `limit` operations, of each tool at most its free permits plus its
+    /// free prefetch places, and takes the free permits with the claims (the others wait
+    /// in [`Self::dispatch`]).
     async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Leased>> {
         let c = &self.inner.config;
         let tool_room = self
             .inner
             .per_tool
             .iter()
-            .map(|(tool, permits)| (tool.clone(), permits.available_permits()))
+            .map(|(tool, slots)| (tool.clone(), slots.room(c.prefetch)))
             .collect();
         let asked = Instant::now();
         let claims = self
@@ -255,16 +301,18 @@ impl Dispatcher {
         Ok(claims
             .into_iter()
             .map(|claim| {
-                let tool_permit = self
-                    .inner
-                    .per_tool
-                    .get(&claim.operation.tool)
-                    .and_then(|s| s.clone().try_acquire_owned().ok());
+                let slots = self.inner.per_tool.get(&claim.operation.tool);
+                let tool_permit = slots.and_then(|s| s.permits.clone().try_acquire_owned().ok());
+                let waiting = match (slots, &tool_permit) {
+                    (Some(s), None) => Some(Waiting::new(&s.waiting)),
+                    _ => None,
+                };
                 Leased {
                     claim,
                     deadline: asked + c.lease,
                     asked,
                     tool_permit,
+                    waiting,
                 }
             })
             .collect())
@@ -314,12 +362,13 @@ impl Dispatcher {
             return;
         }
         if leased.tool_permit.is_none() {
-            // Claimed outside the sized loop (run_once, or a permit raced away): wait,
-            // then ask the policy again — the lease kept running meanwhile.
+            // Claimed ahead of a free permit (prefetch), or outside the loop (run_once):
+            // wait for one, then ask the policy again — the lease kept running meanwhile.
             leased.tool_permit = match inner.per_tool.get(&op.tool) {
-                Some(s) => s.clone().acquire_owned().await.ok(),
+                Some(s) => s.permits.clone().acquire_owned().await.ok(),
                 None => None,
             };
+            leased.waiting = None;
             if let Err(hold) = policy::may_send(
                 tool,
                 leased.claim.operation.ambiguous_since,

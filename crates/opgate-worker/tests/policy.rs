@@ -48,6 +48,12 @@ struct World {
 }
 
 async fn world(per_tool: usize) -> World {
+    world_with(per_tool, per_tool).await
+}
+
+/// A world whose dispatcher claims up to `prefetch` operations per tool ahead of a free
+/// permit.
+async fn world_with(per_tool: usize, prefetch: usize) -> World {
     let db = opgate_testkit::TestLedger::new().await;
     let ledger = db.ledger.clone();
     let registry = Arc::new(Registry::from_toml(TOOLS).expect("registry"));
@@ -62,6 +68,7 @@ async fn world(per_tool: usize) -> World {
             owner: "d1".into(),
             lease: Duration::from_secs(2),
             per_tool,
+            prefetch,
             seed: Some(1),
             idle: Duration::from_millis(10),
             ..DispatcherConfig::default()
@@ -269,14 +276,14 @@ async fn a_claim_without_lease_left_for_the_call_is_given_back_unsent() {
     assert_eq!(w.provider.calls(), 1);
 }
 
-/// Item 5: claims are sized by the tool's free permits, so no claimed operation waits
-/// in-process for a permit while its lease runs. With `per_tool = 1` the provider never
-/// sees two calls at once; the permit is given back when the call returns, so while one
-/// outcome is being recorded the next operation may already be claimed: at most two are
+/// Item 5: claims are sized by the tool's free permits plus its prefetch places. With
+/// `per_tool = 1` and `prefetch = 1` the provider never sees two calls at once; one more
+/// operation waits for the permit, and since the permit is given back when the call
+/// returns, a third may be claimed while an outcome is being recorded: at most three are
 /// `dispatched` at once, never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claims_are_sized_by_the_tools_free_permits() {
-    let w = world(1).await;
+    let w = world_with(1, 1).await;
     let slow = || Step {
         delay: Duration::from_millis(150),
         ..Step::ok()
@@ -296,7 +303,7 @@ async fn claims_are_sized_by_the_tools_free_permits() {
             .await
             .expect("list");
         assert!(
-            page.operations.len() <= 2,
+            page.operations.len() <= 3,
             "{} claimed at once",
             page.operations.len()
         );
@@ -320,6 +327,59 @@ async fn claims_are_sized_by_the_tools_free_permits() {
         1,
         "per_tool = 1: one call at the provider at a time"
     );
+}
+
+/// A lease that runs out while a claimed operation waits for its tool's permit: with
+/// `per_tool = 1` and one place of prefetch, one claim takes two operations; the first
+/// call holds the permit for 1.9 s of the 2 s lease, so when the second operation gets
+/// the permit less than one tool timeout (300 ms) of its lease is left. It is given back
+/// unsent, claimed again, and sent once: one effect each, never two calls at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prefetched_claim_whose_lease_ran_out_while_waiting_is_given_back_unsent() {
+    let w = world_with(1, 1).await;
+    w.provider.script([
+        Step {
+            delay: Duration::from_millis(1900),
+            ..Step::ok()
+        },
+        Step::ok(),
+    ]);
+    let first = w.propose("p1", 1).await;
+    let second = w.propose("p2", 2).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while w.op(first).await.status != Status::CompletedSuccess
+        || w.op(second).await.status != Status::CompletedSuccess
+    {
+        assert!(Instant::now() < deadline, "not both completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+    running.await.expect("dispatcher");
+    let attempts = w.ledger.attempts(second).await.expect("attempts");
+    let outcomes: Vec<Option<&str>> = attempts
+        .iter()
+        .map(|a| a.report.as_ref().map(|r| r.outcome.as_str()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [Some("not_sent"), Some("committed")],
+        "given back unsent once, then sent"
+    );
+    assert_eq!(
+        attempts[0]
+            .report
+            .as_ref()
+            .and_then(|r| r.error_category.as_deref()),
+        Some("lease_too_short_to_send")
+    );
+    assert_eq!(w.provider.calls(), 2, "one call per operation");
+    assert_eq!(w.provider.max_in_flight(), 1);
+    for id in [first, second] {
+        let op = w.op(id).await;
+        assert_eq!(w.provider.effects(&w.key(&op)), 1);
+    }
 }
 
 async fn futures_ids(w: &World, n: u64) -> Vec<Uuid> {

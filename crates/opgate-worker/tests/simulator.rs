@@ -202,6 +202,7 @@ fn dispatcher(
             batch: 8,
             concurrency: 16,
             per_tool: 8,
+            prefetch: 8,
             record_batch: 128,
             idle: Duration::from_millis(10),
             acknowledged_poll: Duration::from_millis(50),

@@ -61,6 +61,9 @@ pub struct E2eBench {
     /// `[worker] per_tool`: calls in flight per tool.
     #[arg(long)]
     pub per_tool: Option<usize>,
+    /// `[worker] prefetch`: operations per tool claimed ahead of a free permit.
+    #[arg(long)]
+    pub prefetch: Option<usize>,
     /// `[worker] concurrency`: calls in flight overall.
     #[arg(long)]
     pub concurrency: Option<usize>,
@@ -145,6 +148,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     config.database = Some(DatabaseConfig { url: url.clone() });
     config.worker.record_batch = opts.record_batch;
     config.worker.per_tool = opts.per_tool;
+    config.worker.prefetch = opts.prefetch;
     config.worker.concurrency = opts.concurrency;
     config.worker.batch = opts.batch;
     let history = match &pg_history(&url).await? {
@@ -155,7 +159,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         .rate
         .map_or(String::new(), |r| format!(", offered {r:.0} records/s"));
     let settings = format!(
-        "{} ops per order{offered}{history}{}, record_batch {}, per_tool {}, concurrency {}, batch {}",
+        "{} ops per order{offered}{history}{}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}",
         opts.ops_per_entity,
         if opts.processes.is_some() {
             ", child processes"
@@ -164,6 +168,9 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         },
         opts.record_batch.map_or("128".into(), |n| n.to_string()),
         opts.per_tool.map_or("16".into(), |n| n.to_string()),
+        opts.prefetch
+            .or(opts.per_tool)
+            .map_or("16".into(), |n| n.to_string()),
         opts.concurrency.map_or("64".into(), |n| n.to_string()),
         opts.batch.map_or("16".into(), |n| n.to_string()),
     );
@@ -341,6 +348,7 @@ fn spawn_workers(
     for (name, value) in [
         ("record_batch", opts.record_batch),
         ("per_tool", opts.per_tool),
+        ("prefetch", opts.prefetch),
         ("concurrency", opts.concurrency),
         ("batch", opts.batch),
     ] {

@@ -46,12 +46,15 @@ pub struct WorkerConfig {
     pub concurrency: Option<usize>,
     /// Calls in flight per tool (default 16).
     pub per_tool: Option<usize>,
+    /// Per tool, operations a claim may take beyond the free `per_tool` permits; they wait
+    /// for one (default: `per_tool`, one wave ahead; 0 claims only what can be sent now).
+    pub prefetch: Option<usize>,
     /// Most call outcomes recorded in one ledger transaction (default 128; 1 records each
     /// outcome in its own transaction).
     pub record_batch: Option<usize>,
     /// Longest pause between two lookups of one unknown outcome (default 30000).
     pub reconcile_max_backoff_ms: Option<u64>,
-    /// Inbox rows, finished queue rows and published results older than this are
+    /// Inbox rows and published results older than this are
     /// deleted by the relay role's reaper (default `8d`: longer than the proposals
     /// topic's 7-day retention, so a redelivered record still finds its inbox row).
     pub reap_after: Option<String>,
@@ -232,6 +235,7 @@ pub const ENV_KEYS: &[&str] = &[
     "worker.batch",
     "worker.concurrency",
     "worker.per_tool",
+    "worker.prefetch",
     "worker.record_batch",
     "worker.reconcile_max_backoff_ms",
     "worker.reap_after",

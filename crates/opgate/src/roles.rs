@@ -203,6 +203,9 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                     batch: w.batch.unwrap_or(defaults.batch),
                     concurrency: w.concurrency.unwrap_or(defaults.concurrency),
                     per_tool: w.per_tool.unwrap_or(defaults.per_tool),
+                    prefetch: w
+                        .prefetch
+                        .unwrap_or(w.per_tool.unwrap_or(defaults.per_tool)),
                     record_batch: w.record_batch.unwrap_or(defaults.record_batch),
                     // Test crash point (see crates/opgate/tests/crash.rs).
                     crash_after_claim: std::env::var("OPGATE_CRASH_AT").as_deref()
