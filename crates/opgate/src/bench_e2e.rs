@@ -4,8 +4,10 @@
 //! `--processes N` child `opgate run` processes) against a ledger (SQLite, or PostgreSQL with `--database-url`) and the simulated providers
 //! (payments, no faults), and the clock runs until every operation's final result is on
 //! `opgate.results`. It prints operations/s, latency percentiles from the ledger (consume
-//! -> first dispatch, consume -> settled), and on PostgreSQL the transactions and row
-//! writes per operation (from `pg_stat_database`), and can append a row to BENCHMARKS.md.
+//! -> first dispatch, consume -> settled), on PostgreSQL the transactions and row writes
+//! per operation (from `pg_stat_database`), the machine's CPU time per operation (from
+//! `/proc/stat`: everything on it, the database included), and can append a row to
+//! BENCHMARKS.md.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -103,6 +105,22 @@ async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
     })
 }
 
+/// CPU time the whole machine spent busy so far (user, nice, system, irq, softirq), from
+/// `/proc/stat`; `None` where that cannot be read.
+fn machine_busy() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq ...; clock ticks are 100 per second on Linux.
+    let busy = fields.first()? + fields.get(1)? + fields.get(2)? + fields.get(5)? + fields.get(6)?;
+    Some(Duration::from_millis(busy * 10))
+}
+
 /// Operations already in a PostgreSQL ledger (none counted on SQLite).
 async fn pg_history(url: &str) -> anyhow::Result<Option<i64>> {
     if !url.starts_with("postgres") {
@@ -197,6 +215,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     };
 
     let started = Instant::now();
+    let busy_before = machine_busy();
     let running = match opts.processes {
         None => {
             let roles_list: Vec<String> = ["ingest", "relay", "dispatch", "reconcile"]
@@ -214,6 +233,9 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         opgate_fleet::client::publish_at_rate(&kafka, &records, rate).await?;
     }
     let (first_result, last_result) = reader.await??;
+    let busy = machine_busy()
+        .zip(busy_before)
+        .map(|(after, before)| after.saturating_sub(before));
     let elapsed = last_result - started;
     let joined = first_result - started;
     match running {
@@ -269,6 +291,11 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     );
     let per_op = |n: i64| n as f64 / keys as f64;
     let processes = opts.processes.unwrap_or(1);
+    // Everything on the machine: the roles, PostgreSQL, the embedded broker, the simulated
+    // provider and the results reader (they share the cores).
+    let cpu = busy.map_or("-".to_owned(), |b| {
+        format!("{:.2}", b.as_secs_f64() * 1000.0 / keys as f64)
+    });
     let (tx, rows) = if pg.is_some() {
         (
             format!("{:.1}", per_op(after.commits - before.commits)),
@@ -281,7 +308,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
          consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
-         transactions/op {tx}, row writes/op {rows}; {} effects, 0 duplicates",
+         transactions/op {tx}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
         records.len(),
         opts.partitions,
         elapsed.as_secs_f64(),
@@ -289,7 +316,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} | {cpu} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),
