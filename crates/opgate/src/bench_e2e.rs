@@ -117,7 +117,8 @@ fn machine_busy() -> Option<Duration> {
         .map(|f| f.parse().ok())
         .collect::<Option<_>>()?;
     // user nice system idle iowait irq softirq ...; clock ticks are 100 per second on Linux.
-    let busy = fields.first()? + fields.get(1)? + fields.get(2)? + fields.get(5)? + fields.get(6)?;
+    let busy =
+        fields.first()? + fields.get(1)? + fields.get(2)? + fields.get(5)? + fields.get(6)?;
     Some(Duration::from_millis(busy * 10))
 }
 
