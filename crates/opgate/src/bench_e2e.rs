@@ -3,7 +3,8 @@
 //! then the ingest, relay, dispatch and reconcile roles start in this process (or in
 //! `--processes N` child `opgate run` processes) against a ledger (SQLite, or PostgreSQL with `--database-url`) and the simulated providers
 //! (payments, no faults), and the clock runs until every operation's final result is on
-//! `opgate.results`. It prints operations/s, latency percentiles from the ledger (consume
+//! `opgate.results` (the embedded broker, or `--brokers` for a Kafka cluster: the topics
+//! get a fresh prefix there). It prints operations/s, latency percentiles from the ledger (consume
 //! -> first dispatch, consume -> settled), on PostgreSQL the transactions and row writes
 //! per operation (from `pg_stat_database`), the machine's CPU time per operation (from
 //! `/proc/stat`: everything on it, the database included), and can append a row to
@@ -54,6 +55,10 @@ pub struct E2eBench {
     /// length of each entity's chain.
     #[arg(long, default_value_t = 10)]
     pub ops_per_entity: usize,
+    /// A Kafka broker to run against (e.g. `127.0.0.1:9092`) instead of the embedded one;
+    /// the benchmark's topics get a fresh prefix there.
+    #[arg(long)]
+    pub brokers: Option<String>,
     /// Ledger URL (default: a fresh SQLite file in the temp dir). Must be empty.
     #[arg(long)]
     pub database_url: Option<String>,
@@ -156,8 +161,21 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
             spec.partitions = opts.partitions;
         }
     }
-    let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
-    let kafka = broker.kafka_config();
+    let (kafka, broker, broker_name) = match &opts.brokers {
+        Some(brokers) => {
+            let mut kafka = opgate_kafka::KafkaConfig::new(brokers.clone());
+            let run = format!("bench-{:08x}", rand::random::<u32>());
+            kafka.topic_prefix = format!("{run}.");
+            kafka.group_id = format!("{run}-ingest");
+            kafka.replication_factor = Some(1);
+            opgate_kafka::topics::ensure_topics(&kafka, &specs).await?;
+            (kafka, None, format!(", broker {brokers}"))
+        }
+        None => {
+            let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
+            (broker.kafka_config(), Some(broker), String::new())
+        }
+    };
     if opts.rate.is_none() {
         opgate_fleet::client::publish(&kafka, &records).await?;
     }
@@ -178,7 +196,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         .rate
         .map_or(String::new(), |r| format!(", offered {r:.0} records/s"));
     let settings = format!(
-        "{} ops per order{offered}{history}{}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}",
+        "{} ops per order{broker_name}{offered}{history}{}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}",
         opts.ops_per_entity,
         if opts.processes.is_some() {
             ", child processes"
@@ -392,8 +410,8 @@ fn spawn_workers(
     std::fs::write(
         &config,
         format!(
-            "{TOOLS}\n[database]\nurl = \"{url}\"\n\n[kafka]\nbrokers = \"{}\"\n[kafka.client]\n{client}\n[worker]\n{worker}",
-            kafka.brokers
+            "{TOOLS}\n[database]\nurl = \"{url}\"\n\n[kafka]\nbrokers = \"{}\"\ntopic_prefix = \"{}\"\ngroup_id = \"{}\"\n[kafka.client]\n{client}\n[worker]\n{worker}",
+            kafka.brokers, kafka.topic_prefix, kafka.group_id
         ),
     )?;
     let exe = std::env::current_exe().context("this binary's path")?;
