@@ -81,7 +81,7 @@ explain "ops list --key key:4242" "$list WHERE idempotency_key = 'key:4242' ORDE
 explain "ops list --status unknown_outcome --tool tool_0" "$list WHERE status = 'unknown_outcome' AND tool = 'tool_0' ORDER BY operation_id DESC LIMIT 51"
 live=$(psql -tAq "$url" -c "SELECT string_agg(quote_literal(s), ', ') FROM unnest(ARRAY['awaiting_approval','pending_dispatch','dispatched','acknowledged','failed_retryable','unknown_outcome','needs_attention','compensating']) s")
 explain "/metrics stats: live operations" "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) ELSE updated_at END) AS oldest FROM operations WHERE status IN ($live) GROUP BY 1, 2, 3"
-explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state"
+explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue GROUP BY state"
 explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
 explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state IN ('inflight', 'held') OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
 # The console (crates/opgate-store common.rs: DECISIONS_SQL, unknown_*_sql, RESULTS_SQL;

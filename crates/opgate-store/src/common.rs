@@ -120,9 +120,10 @@ pub(crate) fn live_sql() -> String {
     )
 }
 
-/// Unfinished dispatch-queue rows per state.
+/// Dispatch-queue rows per state (the queue holds live work only: a finished operation's
+/// row is deleted in the transaction that finishes it).
 pub(crate) const QUEUE_DEPTH_SQL: &str =
-    "SELECT state, COUNT(*) FROM dispatch_queue WHERE state <> 'done' GROUP BY state";
+    "SELECT state, COUNT(*) FROM dispatch_queue GROUP BY state";
 
 /// An operation's result rows (through `result_outbox_operation`).
 pub(crate) const RESULTS_SQL: &str = "SELECT seq, status, created_at, published_at \

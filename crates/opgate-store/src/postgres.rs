@@ -361,9 +361,8 @@ impl Tx for PgTx {
         op: &Operation,
         state: QueueState,
         ready_at: OffsetDateTime,
-        at: OffsetDateTime,
     ) -> Result<()> {
-        self.put_queue_rows(&[(op, state, ready_at)], at).await
+        self.put_queue_rows(&[(op, state, ready_at)]).await
     }
 
     async fn insert_outbox(&mut self, row: &NewOutbox) -> Result<()> {
@@ -596,7 +595,6 @@ impl Tx for PgTx {
     async fn put_queue_rows(
         &mut self,
         rows: &[(&Operation, QueueState, OffsetDateTime)],
-        _at: OffsetDateTime,
     ) -> Result<()> {
         type Row<'r> = &'r (&'r Operation, QueueState, OffsetDateTime);
         let (done, rows): (Vec<Row<'_>>, Vec<Row<'_>>) = rows
@@ -680,15 +678,6 @@ impl Tx for PgTx {
             qb.build().execute(&mut *self.0).await?;
         }
         Ok(())
-    }
-
-    async fn put_queue_batch(
-        &mut self,
-        rows: &[(&Operation, QueueState)],
-        at: OffsetDateTime,
-    ) -> Result<()> {
-        let rows: Vec<_> = rows.iter().map(|(op, state)| (*op, *state, at)).collect();
-        self.put_queue_rows(&rows, at).await
     }
 
     async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {

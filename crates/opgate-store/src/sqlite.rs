@@ -503,7 +503,6 @@ impl Tx for SqliteTx {
         op: &Operation,
         state: QueueState,
         ready_at: OffsetDateTime,
-        _at: OffsetDateTime,
     ) -> Result<()> {
         if state == QueueState::Done {
             sqlx::query("DELETE FROM dispatch_queue WHERE operation_id = $1")

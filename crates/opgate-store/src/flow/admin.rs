@@ -124,7 +124,7 @@ pub(crate) async fn compensate<T: Tx>(
         detail: Some(json!({"compensates": original.operation_id})),
     })
     .await?;
-    tx.put_queue(&compensation, QueueState::of(compensation.status), now, now)
+    tx.put_queue(&compensation, QueueState::of(compensation.status), now)
         .await?;
     compensation.result_seq = 0;
     let event_id = compensation.event_id.clone();

@@ -80,8 +80,7 @@ pub(super) async fn change_one<T: Tx>(
         Err(e) => return Ok(Err(e)),
     };
     tx.insert_event(&planned.event).await?;
-    tx.put_queue(op, planned.queue, planned.ready_at, now)
-        .await?;
+    tx.put_queue(op, planned.queue, planned.ready_at).await?;
     if let Some(row) = &planned.outbox {
         tx.insert_outbox(row).await?;
     }

@@ -39,7 +39,7 @@ pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<V
             // The queue row disagrees with the operation (a bug or a manual edit): repair
             // the row from the operation and keep claiming the others.
             tracing::warn!(operation_id = %id, status = %from, "queue row out of step with its operation; repaired");
-            tx.put_queue(&op, QueueState::of(from), now, now).await?;
+            tx.put_queue(&op, QueueState::of(from), now).await?;
             continue;
         };
         op.status = to;

@@ -205,11 +205,11 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         })
         .collect();
     tx.insert_events_batch(&created_events).await?;
-    let queue_rows: Vec<(&Operation, QueueState)> = queue
+    let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
         .iter()
-        .map(|&c| (&candidates[c], QueueState::of(candidates[c].status)))
+        .map(|&c| (&candidates[c], QueueState::of(candidates[c].status), now))
         .collect();
-    tx.put_queue_batch(&queue_rows, now).await?;
+    tx.put_queue_rows(&queue_rows).await?;
     tx.insert_outbox_batch(&outbox).await?;
     for op in hit.values() {
         tx.update_operation(op).await?;

@@ -53,7 +53,6 @@ pub(crate) type NewInbox<'a> = (&'a str, &'a Delivery, Option<&'a str>);
 /// (Measured on PostgreSQL: one statement for all of them, data-modifying `WITH` parts
 /// over `unnest` arrays, saved five round trips but cost more server CPU per operation
 /// than the six statements: BENCHMARKS.md.)
-#[derive(Default)]
 pub(crate) struct Rows<'a> {
     /// New attempt rows (a claim), written before the tool is called.
     pub attempts: &'a [NewAttempt<'a>],
@@ -191,7 +190,6 @@ pub(crate) trait Tx: Send {
         op: &Operation,
         state: QueueState,
         ready_at: OffsetDateTime,
-        at: OffsetDateTime,
     ) -> impl Future<Output = Result<()>> + Send;
     /// Appends a result-outbox row.
     fn insert_outbox(&mut self, row: &NewOutbox) -> impl Future<Output = Result<()>> + Send;
@@ -233,19 +231,6 @@ pub(crate) trait Tx: Send {
         async move {
             for e in events {
                 self.insert_event(e).await?;
-            }
-            Ok(())
-        }
-    }
-    /// Inserts queue rows for new operations.
-    fn put_queue_batch(
-        &mut self,
-        rows: &[(&Operation, QueueState)],
-        at: OffsetDateTime,
-    ) -> impl Future<Output = Result<()>> + Send {
-        async move {
-            for (op, state) in rows {
-                self.put_queue(op, *state, at, at).await?;
             }
             Ok(())
         }
@@ -323,11 +308,10 @@ pub(crate) trait Tx: Send {
     fn put_queue_rows(
         &mut self,
         rows: &[(&Operation, QueueState, OffsetDateTime)],
-        at: OffsetDateTime,
     ) -> impl Future<Output = Result<()>> + Send {
         async move {
             for (op, state, ready_at) in rows {
-                self.put_queue(op, *state, *ready_at, at).await?;
+                self.put_queue(op, *state, *ready_at).await?;
             }
             Ok(())
         }
@@ -366,7 +350,7 @@ pub(crate) trait Tx: Send {
         async move {
             self.insert_attempts_batch(rows.attempts).await?;
             self.insert_events_batch(rows.events).await?;
-            self.put_queue_rows(rows.queue, at).await?;
+            self.put_queue_rows(rows.queue).await?;
             self.insert_outbox_batch(rows.outbox).await?;
             self.update_operations_batch(rows.operations).await?;
             self.finish_attempts_batch(rows.finished, at).await?;
