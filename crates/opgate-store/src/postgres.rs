@@ -79,7 +79,7 @@ impl PgLedger {
     }
 
     async fn begin(&self) -> Result<PgTx> {
-        Ok(PgTx(self.pool.begin().await?))
+        Ok(PgTx(self.pool.begin().await?, Prelude::default()))
     }
 }
 
@@ -109,8 +109,9 @@ macro_rules! in_tx {
 macro_rules! write_tx {
     ($self:ident, |$tx:ident| $body:expr) => {{
         let out = in_tx!($self, |$tx| {
+            $tx.1.notify = Some($self.changes.clone());
             let out = $body;
-            $tx.announce(&$self.changes).await?;
+            $tx.announce().await?;
             out
         });
         if out.is_ok() {
@@ -120,16 +121,39 @@ macro_rules! write_tx {
     }};
 }
 
-struct PgTx(Transaction<'static, Postgres>);
+struct PgTx(Transaction<'static, Postgres>, Prelude);
+
+/// What a transaction asks of the server besides its statements. Each is sent with the
+/// transaction's first clock read ([`Tx::now`], which every flow begins with), one round
+/// trip fewer each; whatever is still pending then is sent on its own.
+#[derive(Default)]
+struct Prelude {
+    /// A write transaction's `NOTIFY` to the other processes' listeners (delivered at
+    /// commit, wherever in the transaction it is sent).
+    notify: Option<Arc<PgChanges>>,
+    /// A claim switches sorting off for its transaction (see `pick_claimable`).
+    sort_off: SortOff,
+}
+
+#[derive(Default, PartialEq)]
+enum SortOff {
+    #[default]
+    No,
+    Wanted,
+    Done,
+}
 
 impl PgTx {
-    /// Tells the other processes' listeners, on commit, that the ledger changed.
-    async fn announce(&mut self, changes: &PgChanges) -> Result<()> {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(&changes.channel)
-            .bind(&changes.instance)
-            .execute(&mut *self.0)
-            .await?;
+    /// Tells the other processes' listeners, on commit, that the ledger changed, unless
+    /// the transaction's clock read did already.
+    async fn announce(&mut self) -> Result<()> {
+        if let Some(changes) = self.1.notify.take() {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(&changes.channel)
+                .bind(&changes.instance)
+                .execute(&mut *self.0)
+                .await?;
+        }
         Ok(())
     }
 
@@ -242,9 +266,47 @@ impl Tx for PgTx {
     async fn now(&mut self) -> Result<OffsetDateTime> {
         // clock_timestamp(), not now(): now() is the transaction's start, and time spent
         // waiting on locks must not shorten a lease.
-        Ok(sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&mut *self.0)
-            .await?)
+        // The prelude rides along: `pg_notify` is queued until commit, and `set_config`
+        // with `is_local` lasts until the transaction ends, as `SET LOCAL` does.
+        let sort_off = self.1.sort_off == SortOff::Wanted;
+        let notify = self.1.notify.take();
+        let now = match (&notify, sort_off) {
+            (None, false) => {
+                sqlx::query_scalar("SELECT clock_timestamp()")
+                    .fetch_one(&mut *self.0)
+                    .await?
+            }
+            (None, true) => {
+                sqlx::query_scalar(
+                    "SELECT clock_timestamp() FROM (SELECT set_config('enable_sort', 'off', true)) AS p",
+                )
+                .fetch_one(&mut *self.0)
+                .await?
+            }
+            (Some(changes), false) => {
+                sqlx::query_scalar(
+                    "SELECT clock_timestamp() FROM (SELECT pg_notify($1, $2)) AS p",
+                )
+                .bind(&changes.channel)
+                .bind(&changes.instance)
+                .fetch_one(&mut *self.0)
+                .await?
+            }
+            (Some(changes), true) => {
+                sqlx::query_scalar(
+                    "SELECT clock_timestamp() \
+                     FROM (SELECT pg_notify($1, $2), set_config('enable_sort', 'off', true)) AS p",
+                )
+                .bind(&changes.channel)
+                .bind(&changes.instance)
+                .fetch_one(&mut *self.0)
+                .await?
+            }
+        };
+        if sort_off {
+            self.1.sort_off = SortOff::Done;
+        }
+        Ok(now)
     }
 
     async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
@@ -734,10 +796,14 @@ impl Tx for PgTx {
         skip_tools: &[String],
     ) -> Result<Vec<(Uuid, String)>> {
         // Left off for the rest of the claim transaction, whose other statements need no
-        // sort (one round trip fewer than restoring it).
-        sqlx::query("SET LOCAL enable_sort = off")
-            .execute(&mut *self.0)
-            .await?;
+        // sort (one round trip fewer than restoring it); a claim asks for it with its
+        // clock read (`Prelude`), anything else here.
+        if self.1.sort_off != SortOff::Done {
+            sqlx::query("SET LOCAL enable_sort = off")
+                .execute(&mut *self.0)
+                .await?;
+            self.1.sort_off = SortOff::Done;
+        }
         let found = sqlx::query_as(&format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
@@ -831,10 +897,10 @@ impl Ledger for PgLedger {
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
-        in_tx!(self, Error::is_claim_race, |tx| flow::claim(
-            &mut tx, request
-        )
-        .await?)
+        in_tx!(self, Error::is_claim_race, |tx| {
+            tx.1.sort_off = SortOff::Wanted;
+            flow::claim(&mut tx, request).await?
+        })
     }
 
     async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
