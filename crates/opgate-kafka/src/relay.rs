@@ -1,10 +1,12 @@
 //! The results relay: the ledger's result outbox -> `opgate.results`.
 //!
-//! It leases a batch of unpublished rows (oldest first), produces them with an
-//! idempotent producer (`enable.idempotence=true`, `acks=all`) keyed by entity, waits for
-//! the broker's acknowledgements, and marks only the acknowledged rows published. A crash
-//! between publish and mark republishes those rows after their lease expires: the copies
-//! carry the same (operation_id, status, seq), which is what consumers dedupe on.
+//! Each round (`Ledger::relay_round`) takes a batch of unpublished rows (oldest first) for
+//! a lease — a written one, or on PostgreSQL the rows' locks held by the round's
+//! transaction — produces them with an idempotent producer (`enable.idempotence=true`,
+//! `acks=all`) keyed by entity, waits for the broker's acknowledgements, and marks only
+//! the acknowledged rows published. A crash between publish and mark republishes those
+//! rows once the lease ends: the copies carry the same (operation_id, status, seq), which
+//! is what consumers dedupe on.
 //!
 //! One operation's results go out in `seq` order, across relays, restarts and failures:
 //! the ledger leases a row only with every earlier unpublished row of its operation
@@ -144,24 +146,26 @@ impl ResultsRelay {
         Ok(())
     }
 
-    /// One round: lease, publish, mark. Returns how many rows were marked published.
+    /// One round: take, publish, mark ([`opgate_store::Ledger::relay_round`]). Returns how
+    /// many rows were marked published.
     pub async fn relay_once(&self) -> Result<usize> {
-        let asked = Instant::now();
-        let rows = self.ledger.claim_results(&self.claim).await?;
-        if rows.is_empty() {
-            return Ok(0);
+        let lease_ends = Instant::now() + self.claim.lease;
+        let (taken, published) = self
+            .ledger
+            .relay_round(
+                &self.claim,
+                Box::new(move |rows| {
+                    Box::pin(async move { self.publish(&rows, lease_ends).await })
+                }),
+            )
+            .await?;
+        if taken > 0 {
+            opgate_metrics::metrics()
+                .results_published
+                .inc_by(published as u64);
+            debug!(published, taken, "relayed results");
         }
-        let acked = self.publish(&rows, asked + self.claim.lease).await;
-        self.ledger.mark_published(&acked).await?;
-        opgate_metrics::metrics()
-            .results_published
-            .inc_by(acked.len() as u64);
-        debug!(
-            published = acked.len(),
-            leased = rows.len(),
-            "relayed results"
-        );
-        Ok(acked.len())
+        Ok(published)
     }
 
     /// Produces leased rows (in id order) and returns the ids the broker acknowledged.

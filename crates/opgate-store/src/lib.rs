@@ -10,7 +10,9 @@
 //!   attempt, queue and result outbox move together;
 //! - [`Ledger::claim_reconcile`] turns expired leases into `unknown_outcome` and leases
 //!   ambiguous operations to a reconciler;
-//! - [`Ledger::claim_results`] / [`Ledger::mark_published`] feed the results relay;
+//! - [`Ledger::relay_round`] feeds the results relay (take, publish, mark;
+//!   [`Ledger::claim_results`] and [`Ledger::mark_published`] are its two halves with a
+//!   written lease);
 //! - [`Ledger::changes`] wakes the dispatcher and the relay when one of the writes above
 //!   commits, so they need not wait for their next poll.
 //!
@@ -76,6 +78,31 @@ pub trait Ledger: Send + Sync + 'static {
     /// Marks result rows published (after the broker acknowledged them).
     async fn mark_published(&self, ids: &[i64]) -> Result<()>;
 
+    /// One round of the results relay: takes unpublished rows as [`Ledger::claim_results`]
+    /// does (oldest first, an operation's rows only with every earlier unpublished one),
+    /// hands them to `publish`, and marks the ids it returns published. Returns how many
+    /// rows were taken and how many were marked.
+    ///
+    /// The default leases the rows, publishes and marks: three steps. PostgreSQL holds
+    /// the rows' locks in one transaction across the publish instead of writing a lease
+    /// (one row version fewer per result row), with the lease as the transaction's
+    /// `idle_in_transaction_session_timeout`: a relay that hangs loses its rows after the
+    /// lease, as with a written one.
+    async fn relay_round(
+        &self,
+        request: &ClaimRequest,
+        publish: Publish<'_>,
+    ) -> Result<(usize, usize)> {
+        let rows = self.claim_results(request).await?;
+        if rows.is_empty() {
+            return Ok((0, 0));
+        }
+        let taken = rows.len();
+        let acked = publish(rows).await;
+        self.mark_published(&acked).await?;
+        Ok((taken, acked.len()))
+    }
+
     /// One operation.
     async fn operation(&self, id: Uuid) -> Result<Option<Operation>>;
 
@@ -119,6 +146,14 @@ pub trait Ledger: Send + Sync + 'static {
 
 /// A shared ledger handle.
 pub type SharedLedger = Arc<dyn Ledger>;
+
+/// What a relay does with one round's rows ([`Ledger::relay_round`]): publishes them, in
+/// id order, and returns the ids the broker acknowledged.
+pub type Publish<'a> = Box<
+    dyn FnOnce(Vec<OutboxRow>) -> std::pin::Pin<Box<dyn Future<Output = Vec<i64>> + Send + 'a>>
+        + Send
+        + 'a,
+>;
 
 /// Opens the ledger a URL names: `postgres://...` or `sqlite://PATH` / `sqlite:PATH`.
 /// It refuses a schema newer than this build knows, and one that is not migrated.

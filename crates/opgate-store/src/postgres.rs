@@ -131,16 +131,41 @@ struct Prelude {
     /// A write transaction's `NOTIFY` to the other processes' listeners (delivered at
     /// commit, wherever in the transaction it is sent).
     notify: Option<Arc<PgChanges>>,
-    /// A claim switches sorting off for its transaction (see `pick_claimable`).
-    sort_off: SortOff,
+    /// Planner settings for the rest of the transaction.
+    planner: Planner,
+    /// Whether `planner` was applied.
+    planned: bool,
 }
 
-#[derive(Default, PartialEq)]
-enum SortOff {
+/// Planner settings a hot-path transaction runs with (`set_config(..., true)`, as `SET
+/// LOCAL`: they end with the transaction).
+#[derive(Default, Clone, Copy, PartialEq)]
+enum Planner {
+    /// The server's settings.
     #[default]
-    No,
-    Wanted,
-    Done,
+    Default,
+    /// Ingest and record: every statement reads by key, so no sequential scans
+    /// (`enable_seqscan = off`). sqlx prepares each statement once per connection and
+    /// PostgreSQL keeps a generic plan for it after five runs; one made while a table was
+    /// empty by its statistics (a fresh or freshly analyzed queue, `attempts`) scanned
+    /// that table whole for every row of every later batch (BENCHMARKS.md, P4 at 5M).
+    Keyed,
+    /// A claim: as `Keyed`, and no sort (`enable_sort = off`), which leaves the ordered
+    /// walk of `dispatch_queue_ready` that stops at the claim's limit.
+    Claim,
+}
+
+impl Planner {
+    /// The `set_config` calls that apply it.
+    fn settings(self) -> &'static str {
+        match self {
+            Self::Default => "",
+            Self::Keyed => ", set_config('enable_seqscan', 'off', true)",
+            Self::Claim => {
+                ", set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true)"
+            }
+        }
+    }
 }
 
 impl PgTx {
@@ -155,6 +180,52 @@ impl PgTx {
                 .await?;
         }
         Ok(())
+    }
+
+    /// Locks the result rows a relay may take now: unpublished, not leased, not locked by
+    /// another relay, oldest first, up to `limit`; a row of an operation only with every
+    /// earlier unpublished row of that operation (`common::in_order_prefix`), so no relay
+    /// publishes a later state before an earlier one. The locks last until the
+    /// transaction ends (rows locked but not taken included).
+    async fn pick_results(&mut self, limit: usize) -> Result<Vec<OutboxRow>> {
+        let locked = sqlx::query(
+            "SELECT id, operation_id, seq, status, kafka_key, payload FROM result_outbox \
+             WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
+             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(limit as i64)
+        .fetch_all(&mut *self.0)
+        .await?;
+        let locked = locked
+            .iter()
+            .map(|row| {
+                Ok(OutboxRow {
+                    id: row.try_get("id")?,
+                    operation_id: row.try_get("operation_id")?,
+                    seq: row.try_get("seq")?,
+                    status: row.try_get("status")?,
+                    kafka_key: row.try_get("kafka_key")?,
+                    payload: row.try_get::<Json<Value>, _>("payload")?.0,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let candidates: Vec<(i64, Option<Uuid>)> =
+            locked.iter().map(|r| (r.id, r.operation_id)).collect();
+        let ops: Vec<Uuid> = candidates.iter().filter_map(|(_, op)| *op).collect();
+        let unpublished: Vec<(Uuid, i64)> = sqlx::query_as(
+            "SELECT operation_id, id FROM result_outbox \
+             WHERE published_at IS NULL AND operation_id = ANY($1)",
+        )
+        .bind(&ops)
+        .fetch_all(&mut *self.0)
+        .await?;
+        let keep: std::collections::HashSet<i64> = in_order_prefix(&candidates, &unpublished)
+            .into_iter()
+            .collect();
+        Ok(locked
+            .into_iter()
+            .filter(|r| keep.contains(&r.id))
+            .collect())
     }
 
     /// Operations by id, with a trailing clause (ordering and locking).
@@ -254,13 +325,21 @@ const CHUNK: usize = 1000;
 /// waiting ahead of it. A compensation passes the operation it undoes (which holds the
 /// entity in `compensating`) and the waiting operations queued behind that one: they wait
 /// for the original, which waits for its compensation.
+///
+/// Written so that the only index condition the planner can find is the entity's:
+/// `p.state IN (...)` at the top level is `dispatch_queue_entity`'s predicate, and the
+/// remaining `OR` has an arm no index serves (`<>`). Written as `inflight/held OR (waiting
+/// AND seq < q.seq)` instead, it let the planner, with statistics taken while the queue was
+/// empty, serve the second arm from `dispatch_queue_ready` (`seq < q.seq`): every waiting
+/// row ahead of the candidate, read once per candidate (6 ms a claim beside 5 million
+/// operations; BENCHMARKS.md).
 const HEAD_OF_LINE: &str = "(q.is_read OR NOT EXISTS ( \
     SELECT 1 FROM dispatch_queue p \
     WHERE p.entity_key = q.entity_key AND NOT p.is_read \
+      AND p.state IN ('waiting', 'inflight', 'held') \
       AND p.operation_id <> q.operation_id \
       AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
-      AND (p.state IN ('inflight', 'held') \
-           OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL))))";
+      AND (p.state <> 'waiting' OR (p.seq < q.seq AND q.compensates IS NULL))))";
 
 impl Tx for PgTx {
     async fn now(&mut self) -> Result<OffsetDateTime> {
@@ -268,44 +347,27 @@ impl Tx for PgTx {
         // waiting on locks must not shorten a lease.
         // The prelude rides along: `pg_notify` is queued until commit, and `set_config`
         // with `is_local` lasts until the transaction ends, as `SET LOCAL` does.
-        let sort_off = self.1.sort_off == SortOff::Wanted;
         let notify = self.1.notify.take();
-        let now = match (&notify, sort_off) {
-            (None, false) => {
-                sqlx::query_scalar("SELECT clock_timestamp()")
-                    .fetch_one(&mut *self.0)
-                    .await?
-            }
-            (None, true) => {
-                sqlx::query_scalar(
-                    "SELECT clock_timestamp() FROM (SELECT set_config('enable_sort', 'off', true)) AS p",
-                )
-                .fetch_one(&mut *self.0)
-                .await?
-            }
-            (Some(changes), false) => {
-                sqlx::query_scalar(
-                    "SELECT clock_timestamp() FROM (SELECT pg_notify($1, $2)) AS p",
-                )
-                .bind(&changes.channel)
-                .bind(&changes.instance)
-                .fetch_one(&mut *self.0)
-                .await?
-            }
-            (Some(changes), true) => {
-                sqlx::query_scalar(
-                    "SELECT clock_timestamp() \
-                     FROM (SELECT pg_notify($1, $2), set_config('enable_sort', 'off', true)) AS p",
-                )
-                .bind(&changes.channel)
-                .bind(&changes.instance)
-                .fetch_one(&mut *self.0)
-                .await?
-            }
+        let planner = if self.1.planned {
+            Planner::Default
+        } else {
+            self.1.planner
         };
-        if sort_off {
-            self.1.sort_off = SortOff::Done;
+        let notify_sql = if notify.is_some() {
+            "pg_notify($1, $2)"
+        } else {
+            "NULL"
+        };
+        let sql = format!(
+            "SELECT clock_timestamp() FROM (SELECT {notify_sql}{}) AS p",
+            planner.settings()
+        );
+        let mut query = sqlx::query_scalar(&sql);
+        if let Some(changes) = &notify {
+            query = query.bind(&changes.channel).bind(&changes.instance);
         }
+        let now = query.fetch_one(&mut *self.0).await?;
+        self.1.planned = true;
         Ok(now)
     }
 
@@ -798,11 +860,10 @@ impl Tx for PgTx {
         // Left off for the rest of the claim transaction, whose other statements need no
         // sort (one round trip fewer than restoring it); a claim asks for it with its
         // clock read (`Prelude`), anything else here.
-        if self.1.sort_off != SortOff::Done {
+        if !(self.1.planned && self.1.planner == Planner::Claim) {
             sqlx::query("SET LOCAL enable_sort = off")
                 .execute(&mut *self.0)
                 .await?;
-            self.1.sort_off = SortOff::Done;
         }
         let found = sqlx::query_as(&format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
@@ -893,18 +954,24 @@ fn attempt_from_row(row: &PgRow) -> Result<Attempt> {
 #[async_trait::async_trait]
 impl Ledger for PgLedger {
     async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
-        write_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
+        write_tx!(self, |tx| {
+            tx.1.planner = Planner::Keyed;
+            flow::ingest(&mut tx, batch).await?
+        })
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
         in_tx!(self, Error::is_claim_race, |tx| {
-            tx.1.sort_off = SortOff::Wanted;
+            tx.1.planner = Planner::Claim;
             flow::claim(&mut tx, request).await?
         })
     }
 
     async fn record(&self, recordings: &[Recording]) -> Result<Vec<Result<Operation>>> {
-        write_tx!(self, |tx| flow::record(&mut tx, recordings).await?)
+        write_tx!(self, |tx| {
+            tx.1.planner = Planner::Keyed;
+            flow::record(&mut tx, recordings).await?
+        })
     }
 
     async fn claim_reconcile(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -922,50 +989,52 @@ impl Ledger for PgLedger {
     }
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
-        let rows = in_tx!(self, |tx| {
-            let candidates: Vec<(i64, Option<Uuid>)> = sqlx::query_as(
-                "SELECT id, operation_id FROM result_outbox \
-                 WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
-                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-            )
-            .bind(request.limit as i64)
-            .fetch_all(&mut *tx.0)
-            .await?;
-            let ops: Vec<Uuid> = candidates.iter().filter_map(|(_, op)| *op).collect();
-            let unpublished: Vec<(Uuid, i64)> = sqlx::query_as(
-                "SELECT operation_id, id FROM result_outbox \
-                 WHERE published_at IS NULL AND operation_id = ANY($1)",
-            )
-            .bind(&ops)
-            .fetch_all(&mut *tx.0)
-            .await?;
-            let keep = in_order_prefix(&candidates, &unpublished);
+        in_tx!(self, |tx| {
+            let rows = tx.pick_results(request.limit).await?;
+            let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             sqlx::query(
                 "UPDATE result_outbox SET claimed_by = $1, claimed_until = now() + $2 * interval '1 millisecond' \
-                 WHERE id = ANY($3) \
-                 RETURNING id, operation_id, seq, status, kafka_key, payload",
+                 WHERE id = ANY($3)",
             )
             .bind(&request.owner)
             .bind(millis(request.lease))
-            .bind(&keep)
-            .fetch_all(&mut *tx.0)
-            .await?
-        })?;
-        let mut out = rows
-            .iter()
-            .map(|row| {
-                Ok(OutboxRow {
-                    id: row.try_get("id")?,
-                    operation_id: row.try_get("operation_id")?,
-                    seq: row.try_get("seq")?,
-                    status: row.try_get("status")?,
-                    kafka_key: row.try_get("kafka_key")?,
-                    payload: row.try_get::<Json<Value>, _>("payload")?.0,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        out.sort_by_key(|r| r.id);
-        Ok(out)
+            .bind(&ids)
+            .execute(&mut *tx.0)
+            .await?;
+            rows
+        })
+    }
+
+    async fn relay_round(
+        &self,
+        request: &ClaimRequest,
+        publish: crate::Publish<'_>,
+    ) -> Result<(usize, usize)> {
+        // Not retried as a whole: a failure leaves the rows unpublished for a later round
+        // (the broker may have them already; consumers dedupe on seq).
+        let mut tx = self.begin().await?;
+        // A relay that hangs with the rows locked loses them after the lease.
+        sqlx::query(&format!(
+            "SET LOCAL idle_in_transaction_session_timeout = {}",
+            millis(request.lease).max(1)
+        ))
+        .execute(&mut *tx.0)
+        .await?;
+        let rows = tx.pick_results(request.limit).await?;
+        if rows.is_empty() {
+            tx.0.commit().await?;
+            return Ok((0, 0));
+        }
+        let taken = rows.len();
+        let acked = publish(rows).await;
+        sqlx::query(
+            "UPDATE result_outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+        )
+        .bind(&acked)
+        .execute(&mut *tx.0)
+        .await?;
+        tx.0.commit().await?;
+        Ok((taken, acked.len()))
     }
 
     async fn mark_published(&self, ids: &[i64]) -> Result<()> {

@@ -74,6 +74,7 @@ conformance!(
     an_event_id_reused_with_other_content_is_a_conflict,
     event_ids_are_per_namespace,
     results_of_one_operation_are_leased_in_order,
+    a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out,
     the_schemas_state_lists_are_the_state_machines,
     two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it,
     commits_that_make_work_wake_the_workers,
@@ -1769,6 +1770,157 @@ async fn results_of_one_operation_are_leased_in_order(h: Harness) {
         .await
         .expect("claim");
     assert_eq!(rest.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![2, 3]);
+}
+
+/// The (operation, seq) of every result row a test relay was handed.
+type Seen = Arc<Mutex<Vec<(Option<uuid::Uuid>, i64)>>>;
+
+/// A relay round's publish that notes the rows it was handed in `seen` and acknowledges
+/// them all.
+fn ack_all(seen: Seen) -> opgate_store::Publish<'static> {
+    Box::new(move |rows| {
+        Box::pin(async move {
+            let mut seen = seen.lock().expect("seen");
+            seen.extend(rows.iter().map(|r| (r.operation_id, r.seq)));
+            rows.iter().map(|r| r.id).collect()
+        })
+    })
+}
+
+/// A relay round (`Ledger::relay_round`) holds the rows it took while it publishes: a
+/// second relay gets none of them, nor a later row of their operations; the rows it did
+/// not mark are taken again by the next round, in order; and a round that hangs loses its
+/// rows once its lease runs out (PostgreSQL holds row locks and ends the transaction
+/// after the lease idle; SQLite writes a lease).
+async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Harness) {
+    let l = h.ledger.clone();
+    l.ingest(&[pay("e1", "o1", "1")]).await.expect("ingest");
+    let claim = claim_one(l.as_ref(), "w").await;
+    let op1 = claim.operation.operation_id;
+    record_ok(
+        l.as_ref(),
+        Recording::new(op1, claim.operation.lease_epoch, Event::Succeed, "ok"),
+    )
+    .await;
+    // o1: accepted, dispatched, completed_success (seq 1-3). o2: accepted (seq 1).
+    l.ingest(&[pay("e2", "o2", "2")]).await.expect("ingest");
+
+    // Round A takes two rows (o1's seq 1 and 2) for 2 s and stops in its publish.
+    let (handed, handed_rx) = tokio::sync::oneshot::channel::<Vec<i64>>();
+    let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let a = tokio::spawn({
+        let l = l.clone();
+        async move {
+            l.relay_round(
+                &claim_request("relay-a", Duration::from_secs(2), 2),
+                Box::new(move |rows| {
+                    Box::pin(async move {
+                        handed
+                            .send(rows.iter().map(|r| r.seq).collect())
+                            .expect("test waits");
+                        release_rx.await.expect("released");
+                        // Only seq 1 was acknowledged.
+                        vec![rows[0].id]
+                    })
+                }),
+            )
+            .await
+        }
+    });
+    assert_eq!(handed_rx.await.expect("round A publishes"), vec![1, 2]);
+
+    // Meanwhile round B gets o2's row only: o1's seq 3 waits behind 1 and 2.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (taken, marked) = l
+        .relay_round(&claim_request("relay-b", LONG, 10), ack_all(seen.clone()))
+        .await
+        .expect("round B");
+    assert_eq!((taken, marked), (1, 1));
+    let b_seen = seen.lock().expect("seen").clone();
+    assert_eq!(b_seen.len(), 1);
+    assert_ne!(
+        b_seen[0].0,
+        Some(op1),
+        "nothing of o1 while round A holds it"
+    );
+
+    release.send(()).expect("round A waits");
+    let (taken, marked) = a.await.expect("round A").expect("round A");
+    assert_eq!((taken, marked), (2, 1));
+    // Seq 2 was not acknowledged: it goes again, before seq 3 (on PostgreSQL at once, the
+    // round's locks gone; with a written lease once it ran out).
+    seen.lock().expect("seen").clear();
+    let started = std::time::Instant::now();
+    while l
+        .relay_round(&claim_request("relay-b", LONG, 10), ack_all(seen.clone()))
+        .await
+        .expect("round C")
+        .0
+        == 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "seq 2 never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        seen.lock().expect("seen").clone(),
+        vec![(Some(op1), 2), (Some(op1), 3)]
+    );
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM result_outbox WHERE published_at IS NULL")
+            .await,
+        0
+    );
+
+    // A round that hangs in its publish for longer than its lease loses its rows.
+    l.ingest(&[pay("e3", "o3", "3")]).await.expect("ingest");
+    let lease = Duration::from_secs(1);
+    let (handed, handed_rx) = tokio::sync::oneshot::channel::<()>();
+    let hung = tokio::spawn({
+        let l = l.clone();
+        async move {
+            l.relay_round(
+                &claim_request("relay-hung", lease, 10),
+                Box::new(move |rows| {
+                    Box::pin(async move {
+                        handed.send(()).expect("test waits");
+                        tokio::time::sleep(Duration::from_secs(4)).await;
+                        rows.iter().map(|r| r.id).collect()
+                    })
+                }),
+            )
+            .await
+        }
+    });
+    handed_rx.await.expect("the hung round took the row");
+    let started = std::time::Instant::now();
+    seen.lock().expect("seen").clear();
+    let taken = loop {
+        let (taken, _) = l
+            .relay_round(&claim_request("relay-d", LONG, 10), ack_all(seen.clone()))
+            .await
+            .expect("round D");
+        if taken > 0 || started.elapsed() > Duration::from_secs(10) {
+            break taken;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(taken, 1, "the row comes back once the lease ran out");
+    assert!(
+        started.elapsed() >= Duration::from_millis(700),
+        "not before the lease ran out ({:?})",
+        started.elapsed()
+    );
+    // The hung round ends one way or the other (on PostgreSQL its session was ended);
+    // either way the row stays published, once.
+    let _ = hung.await.expect("hung round");
+    assert_eq!(
+        h.count("SELECT COUNT(*) FROM result_outbox WHERE published_at IS NULL")
+            .await,
+        0
+    );
 }
 
 /// The schema's state lists (the per-entity index, the lease and reconcile indexes) say

@@ -6,7 +6,8 @@
 //! `opgate.results` (the embedded broker, or `--brokers` for a Kafka cluster: the topics
 //! get a fresh prefix there). It prints operations/s, latency percentiles from the ledger (consume
 //! -> first dispatch, consume -> settled), on PostgreSQL the transactions and row writes
-//! per operation (from `pg_stat_database`), the machine's CPU time per operation (from
+//! per operation (from `pg_stat_database`; statements per operation, round trips, from
+//! `pg_stat_statements` where it is loaded), the machine's CPU time per operation (from
 //! `/proc/stat`: everything on it, the database included), and can append a row to
 //! BENCHMARKS.md.
 
@@ -95,6 +96,9 @@ pub struct E2eBench {
 struct PgCounters {
     commits: i64,
     row_writes: i64,
+    /// Statements executed, `BEGIN` and `COMMIT` included: the round trips to the
+    /// database. Only where `pg_stat_statements` is loaded and created in the database.
+    statements: Option<i64>,
 }
 
 async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
@@ -104,9 +108,18 @@ async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
     )
     .fetch_one(pool)
     .await?;
+    let statements = sqlx::query_scalar::<_, Option<i64>>(
+        "SELECT sum(calls)::bigint FROM pg_stat_statements \
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_one(pool)
+    .await
+    .ok()
+    .flatten();
     Ok(PgCounters {
         commits,
         row_writes,
+        statements,
     })
 }
 
@@ -323,11 +336,15 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     } else {
         ("-".to_owned(), "-".to_owned())
     };
+    let statements = match (before.statements, after.statements) {
+        (Some(b), Some(a)) => format!("{:.2}", per_op(a - b)),
+        _ => "-".to_owned(),
+    };
     println!(
         "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
          consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
-         transactions/op {tx}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
+         transactions/op {tx}, statements/op {statements}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
         records.len(),
         opts.partitions,
         elapsed.as_secs_f64(),
@@ -335,7 +352,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {rows} | {cpu} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {statements} | {rows} | {cpu} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),
