@@ -1016,7 +1016,7 @@ impl Ledger for PgLedger {
         // A relay that hangs with the rows locked loses them after the lease.
         sqlx::query(&format!(
             "SET LOCAL idle_in_transaction_session_timeout = {}",
-            millis(request.lease).max(1)
+            millis(request.lease).clamp(1, i64::from(i32::MAX))
         ))
         .execute(&mut *tx.0)
         .await?;
