@@ -209,6 +209,10 @@ impl PgTx {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        if locked.is_empty() {
+            // An idle round: no second statement.
+            return Ok(locked);
+        }
         let candidates: Vec<(i64, Option<Uuid>)> =
             locked.iter().map(|r| (r.id, r.operation_id)).collect();
         let ops: Vec<Uuid> = candidates.iter().filter_map(|(_, op)| *op).collect();
