@@ -133,21 +133,19 @@ struct Prelude {
     notify: Option<Arc<PgChanges>>,
     /// Planner settings for the rest of the transaction.
     planner: Planner,
-    /// Whether `planner` was applied.
-    planned: bool,
 }
 
 /// Planner settings a hot-path transaction runs with (`set_config(..., true)`, as `SET
 /// LOCAL`: they end with the transaction).
-#[derive(Default, Clone, Copy, PartialEq)]
+#[derive(Default, Clone, Copy)]
 enum Planner {
     /// The server's settings.
     #[default]
     Default,
     /// Ingest and record: every statement reads by key, so no sequential scans
-    /// (`enable_seqscan = off`). sqlx prepares each statement once per connection and
-    /// PostgreSQL keeps a generic plan for it after five runs; one made while a table was
-    /// empty by its statistics (a fresh or freshly analyzed queue, `attempts`) scanned
+    /// (`enable_seqscan = off`). sqlx prepares each statement once per connection, and
+    /// after five runs PostgreSQL may keep a generic plan for it; one made while a table
+    /// was empty by its statistics (a fresh or freshly analyzed queue, `attempts`) scanned
     /// that table whole for every row of every later batch (BENCHMARKS.md, P4 at 5M).
     Keyed,
     /// A claim: as `Keyed`, and no sort (`enable_sort = off`), which leaves the ordered
@@ -352,11 +350,7 @@ impl Tx for PgTx {
         // The prelude rides along: `pg_notify` is queued until commit, and `set_config`
         // with `is_local` lasts until the transaction ends, as `SET LOCAL` does.
         let notify = self.1.notify.take();
-        let planner = if self.1.planned {
-            Planner::Default
-        } else {
-            self.1.planner
-        };
+        let planner = std::mem::take(&mut self.1.planner);
         let notify_sql = if notify.is_some() {
             "pg_notify($1, $2)"
         } else {
@@ -370,9 +364,7 @@ impl Tx for PgTx {
         if let Some(changes) = &notify {
             query = query.bind(&changes.channel).bind(&changes.instance);
         }
-        let now = query.fetch_one(&mut *self.0).await?;
-        self.1.planned = true;
-        Ok(now)
+        Ok(query.fetch_one(&mut *self.0).await?)
     }
 
     async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
@@ -861,14 +853,9 @@ impl Tx for PgTx {
         limit: usize,
         skip_tools: &[String],
     ) -> Result<Vec<(Uuid, String)>> {
-        // Left off for the rest of the claim transaction, whose other statements need no
-        // sort (one round trip fewer than restoring it); a claim asks for it with its
-        // clock read (`Prelude`), anything else here.
-        if !(self.1.planned && self.1.planner == Planner::Claim) {
-            sqlx::query("SET LOCAL enable_sort = off")
-                .execute(&mut *self.0)
-                .await?;
-        }
+        // Runs with sorting (and sequential scans) off: `Ledger::claim` sets
+        // `Planner::Claim`, applied with the transaction's clock read, which the claim
+        // flow takes before this.
         let found = sqlx::query_as(&format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
