@@ -83,11 +83,12 @@ pub trait Ledger: Send + Sync + 'static {
     /// hands them to `publish`, and marks the ids it returns published. Returns how many
     /// rows were taken and how many were marked.
     ///
-    /// The default leases the rows, publishes and marks: three steps. PostgreSQL holds
-    /// the rows' locks in one transaction across the publish instead of writing a lease
-    /// (one row version fewer per result row), with the lease as the transaction's
-    /// `idle_in_transaction_session_timeout`: a relay that hangs loses its rows after the
-    /// lease, as with a written one.
+    /// The default leases the rows, publishes and marks: three steps. On PostgreSQL the
+    /// relays take turns instead: a round holds the relay's turn (a transaction-scoped
+    /// advisory lock) across the publish, so it writes no lease and locks no row (one
+    /// row version fewer per result row), and a round that finds the turn taken takes
+    /// nothing. The lease is the transaction's `idle_in_transaction_session_timeout`: a
+    /// relay that hangs loses its turn and its rows after the lease, as with a written one.
     async fn relay_round(
         &self,
         request: &ClaimRequest,

@@ -180,22 +180,59 @@ impl PgTx {
         Ok(())
     }
 
-    /// Locks the result rows a relay may take now: unpublished, not leased, not locked by
-    /// another relay, oldest first, up to `limit`; a row of an operation only with every
-    /// earlier unpublished row of that operation (`common::in_order_prefix`), so no relay
-    /// publishes a later state before an earlier one. The locks last until the
-    /// transaction ends (rows locked but not taken included).
+    /// Takes the relay's turn: one transaction at a time on the database may take result
+    /// rows (a transaction-scoped advisory lock, tried, never waited for; false if another
+    /// holds it). The turn ends with the transaction, and a transaction that idles longer
+    /// than `lease` (a relay hung in its publish) is ended by the server, so its turn
+    /// and its rows pass to another relay after the lease, as a written lease would.
+    ///
+    /// Serializing the relays replaces locking each row (`FOR UPDATE SKIP LOCKED`, a
+    /// row version written per result row and a second statement to keep each
+    /// operation's rows in order): one relay publishes faster than the ledger writes
+    /// results (BENCHMARKS.md), so the others wait idle for the turn.
+    async fn take_relay_turn(&mut self, lease: Duration) -> Result<bool> {
+        let (_, turn): (String, bool) = sqlx::query_as(
+            "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+             pg_try_advisory_xact_lock($2, 0)",
+        )
+        .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
+        .bind(RELAY_TURN)
+        .fetch_one(&mut *self.0)
+        .await?;
+        Ok(turn)
+    }
+
+    /// The result rows a relay may take now (the caller holds the relay's turn):
+    /// unpublished, oldest first, up to `limit`, leaving out rows leased by
+    /// [`Ledger::claim_results`] and every later row of their operations
+    /// (`common::in_order_prefix`), so no relay publishes a later state before an earlier
+    /// one. An operation's earlier rows have lower ids and were committed before its
+    /// later ones were written, so one read in id order sees all that precede a row.
     async fn pick_results(&mut self, limit: usize) -> Result<Vec<OutboxRow>> {
-        let locked = sqlx::query(
-            "SELECT id, operation_id, seq, status, kafka_key, payload FROM result_outbox \
-             WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < now()) \
-             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        let rows = sqlx::query(
+            "SELECT id, operation_id, seq, status, kafka_key, payload, \
+             COALESCE(claimed_until >= now(), false) AS leased \
+             FROM result_outbox WHERE published_at IS NULL ORDER BY id LIMIT $1",
         )
         .bind(limit as i64)
         .fetch_all(&mut *self.0)
         .await?;
-        let locked = locked
-            .iter()
+        let mut candidates = Vec::with_capacity(rows.len());
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: i64 = row.try_get("id")?;
+            let operation_id: Option<Uuid> = row.try_get("operation_id")?;
+            if let Some(op) = operation_id {
+                pending.push((op, id));
+            }
+            if !row.try_get::<bool, _>("leased")? {
+                candidates.push((id, operation_id));
+            }
+        }
+        let keep: std::collections::HashSet<i64> =
+            in_order_prefix(&candidates, &pending).into_iter().collect();
+        rows.iter()
+            .filter(|row| row.try_get("id").is_ok_and(|id: i64| keep.contains(&id)))
             .map(|row| {
                 Ok(OutboxRow {
                     id: row.try_get("id")?,
@@ -206,28 +243,7 @@ impl PgTx {
                     payload: row.try_get::<Json<Value>, _>("payload")?.0,
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
-        if locked.is_empty() {
-            // An idle round: no second statement.
-            return Ok(locked);
-        }
-        let candidates: Vec<(i64, Option<Uuid>)> =
-            locked.iter().map(|r| (r.id, r.operation_id)).collect();
-        let ops: Vec<Uuid> = candidates.iter().filter_map(|(_, op)| *op).collect();
-        let unpublished: Vec<(Uuid, i64)> = sqlx::query_as(
-            "SELECT operation_id, id FROM result_outbox \
-             WHERE published_at IS NULL AND operation_id = ANY($1)",
-        )
-        .bind(&ops)
-        .fetch_all(&mut *self.0)
-        .await?;
-        let keep: std::collections::HashSet<i64> = in_order_prefix(&candidates, &unpublished)
-            .into_iter()
-            .collect();
-        Ok(locked
-            .into_iter()
-            .filter(|r| keep.contains(&r.id))
-            .collect())
+            .collect()
     }
 
     /// Operations by id, with a trailing clause (ordering and locking).
@@ -322,6 +338,10 @@ fn op_from_row(row: &PgRow) -> Result<Operation> {
 
 /// Rows per multi-row statement: PostgreSQL allows 65535 parameters, an operation has 34.
 const CHUNK: usize = 1000;
+
+/// The advisory lock of the relay's turn ([`PgTx::take_relay_turn`]), in the two-key space
+/// (`lock_entity` takes single-key locks, so no entity's hash can collide with it).
+const RELAY_TURN: i32 = 0x6f67_7274; // "ogrt"
 
 /// A queued row `q` may be claimed: nothing in flight or held on its entity, nothing
 /// waiting ahead of it. A compensation passes the operation it undoes (which holds the
@@ -569,24 +589,26 @@ impl Tx for PgTx {
         let mut inserted = std::collections::HashSet::new();
         for chunk in rows.chunks(CHUNK) {
             let mut qb = QueryBuilder::<Postgres>::new(
-                r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at, fingerprint) "#,
+                r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, reason, operation_id, received_at, fingerprint) "#,
             );
-            qb.push_values(chunk, |mut b, (key, delivery, fingerprint)| {
-                let (topic, partition, offset) = source_columns(delivery);
-                b.push_bind(*key)
+            qb.push_values(chunk, |mut b, row| {
+                let (topic, partition, offset) = source_columns(row.delivery);
+                b.push_bind(row.key)
                     .push_bind(topic)
                     .push_bind(partition)
                     .push_bind(offset)
-                    .push_bind("accepted")
+                    .push_bind(row.decision.as_str())
+                    .push_bind(row.decision.reason())
+                    .push_bind(row.operation_id)
                     .push_bind(at)
-                    .push_bind(*fingerprint);
+                    .push_bind(row.fingerprint);
             });
             qb.push(" ON CONFLICT (source_id) DO NOTHING RETURNING source_id");
             let ids: Vec<String> = qb.build_query_scalar().fetch_all(&mut *self.0).await?;
             inserted.extend(ids);
         }
         // The first row of a repeated event id is the one that inserted it.
-        Ok(rows.iter().map(|(id, _, _)| inserted.remove(*id)).collect())
+        Ok(rows.iter().map(|row| inserted.remove(row.key)).collect())
     }
 
     async fn insert_operations_batch(&mut self, ops: &[Operation]) -> Result<Vec<bool>> {
@@ -981,6 +1003,9 @@ impl Ledger for PgLedger {
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
         in_tx!(self, |tx| {
+            if !tx.take_relay_turn(request.lease).await? {
+                return Ok(Vec::new());
+            }
             let rows = tx.pick_results(request.limit).await?;
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             sqlx::query(
@@ -1004,13 +1029,10 @@ impl Ledger for PgLedger {
         // Not retried as a whole: a failure leaves the rows unpublished for a later round
         // (the broker may have them already; consumers dedupe on seq).
         let mut tx = self.begin().await?;
-        // A relay that hangs with the rows locked loses them after the lease.
-        sqlx::query(&format!(
-            "SET LOCAL idle_in_transaction_session_timeout = {}",
-            millis(request.lease).clamp(1, i64::from(i32::MAX))
-        ))
-        .execute(&mut *tx.0)
-        .await?;
+        if !tx.take_relay_turn(request.lease).await? {
+            tx.0.commit().await?;
+            return Ok((0, 0));
+        }
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
             tx.0.commit().await?;

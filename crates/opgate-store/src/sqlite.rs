@@ -242,18 +242,21 @@ impl Tx for SqliteTx {
     }
 
     async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
-        let (key, delivery, fingerprint) = row;
-        let (topic, partition, offset) = source_columns(delivery);
+        let (topic, partition, offset) = source_columns(row.delivery);
         let done = sqlx::query(
-            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, received_at, fingerprint)
-               VALUES ($1, $2, $3, $4, 'accepted', $5, $6) ON CONFLICT (source_id) DO NOTHING"#,
+            r#"INSERT INTO inbox (source_id, topic, "partition", "offset", decision, reason,
+                                  operation_id, received_at, fingerprint)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (source_id) DO NOTHING"#,
         )
-        .bind(key)
+        .bind(row.key)
         .bind(topic)
         .bind(partition)
         .bind(offset)
+        .bind(row.decision.as_str())
+        .bind(row.decision.reason())
+        .bind(row.operation_id.map(|u| u.to_string()))
         .bind(ts(at))
-        .bind(fingerprint)
+        .bind(row.fingerprint)
         .execute(&mut *self.0)
         .await?;
         Ok(done.rows_affected() == 1)

@@ -13,7 +13,7 @@ use std::time::Duration;
 use opgate_core::{Event, Resolution, Status};
 use opgate_store::{Command, Error, IngestDecision, Ledger, ListFilter, Recording};
 use serde_json::json;
-use support::{Harness, claim_request, item, item_with, pay};
+use support::{Harness, Raw, claim_request, item, item_with, pay};
 
 const LONG: Duration = Duration::from_secs(300);
 
@@ -79,6 +79,7 @@ conformance!(
     two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it,
     commits_that_make_work_wake_the_workers,
     the_console_reads_activity_results_and_id_ranges,
+    each_inbox_row_holds_its_proposals_final_decision,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -1790,8 +1791,8 @@ fn ack_all(seen: Seen) -> opgate_store::Publish<'static> {
 /// A relay round (`Ledger::relay_round`) holds the rows it took while it publishes: a
 /// second relay gets none of them, nor a later row of their operations; the rows it did
 /// not mark are taken again by the next round, in order; and a round that hangs loses its
-/// rows once its lease runs out (PostgreSQL holds row locks and ends the transaction
-/// after the lease idle; SQLite writes a lease).
+/// rows once its lease runs out (PostgreSQL holds the relay's turn, an advisory lock, and
+/// ends the transaction after the lease idle; SQLite writes a lease).
 async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Harness) {
     let l = h.ledger.clone();
     l.ingest(&[pay("e1", "o1", "1")]).await.expect("ingest");
@@ -1829,20 +1830,38 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
     });
     assert_eq!(handed_rx.await.expect("round A publishes"), vec![1, 2]);
 
-    // Meanwhile round B gets o2's row only: o1's seq 3 waits behind 1 and 2.
+    // Meanwhile round B gets nothing of o1: its seq 3 waits behind 1 and 2. SQLite's
+    // relays lease rows, so B takes o2's row; PostgreSQL's take turns (one relay
+    // transaction at a time), so B gets no turn and takes nothing.
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (taken, marked) = l
         .relay_round(&claim_request("relay-b", LONG, 10), ack_all(seen.clone()))
         .await
         .expect("round B");
-    assert_eq!((taken, marked), (1, 1));
     let b_seen = seen.lock().expect("seen").clone();
-    assert_eq!(b_seen.len(), 1);
-    assert_ne!(
-        b_seen[0].0,
-        Some(op1),
-        "nothing of o1 while round A holds it"
+    let expected = match h.raw {
+        Raw::Sqlite(_) => 1,
+        #[cfg(feature = "integration")]
+        Raw::Postgres(_) => 0,
+    };
+    assert_eq!((taken, marked), (expected, expected));
+    assert_eq!(b_seen.len(), expected);
+    assert!(
+        b_seen.iter().all(|(op, _)| *op != Some(op1)),
+        "nothing of o1 while round A holds it: {b_seen:?}"
     );
+    // Nor does a leasing claim take any of o1's rows meanwhile.
+    let leased = l
+        .claim_results(&claim_request("relay-c", LONG, 10))
+        .await
+        .expect("claim");
+    assert!(
+        leased.iter().all(|r| r.operation_id != Some(op1)),
+        "nothing of o1 while round A holds it: {leased:?}"
+    );
+    l.mark_published(&leased.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .expect("mark");
 
     release.send(()).expect("round A waits");
     let (taken, marked) = a.await.expect("round A").expect("round A");
@@ -1864,10 +1883,11 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(
-        seen.lock().expect("seen").clone(),
-        vec![(Some(op1), 2), (Some(op1), 3)]
-    );
+    // o1's rows in order; o2's too if round B had no turn.
+    let c_seen = seen.lock().expect("seen").clone();
+    let o1_rows: Vec<_> = c_seen.iter().filter(|(op, _)| *op == Some(op1)).collect();
+    assert_eq!(o1_rows, vec![&(Some(op1), 2), &(Some(op1), 3)]);
+    assert_eq!(c_seen.len(), 2 + 1 - expected, "{c_seen:?}");
     assert_eq!(
         h.count("SELECT COUNT(*) FROM result_outbox WHERE published_at IS NULL")
             .await,
@@ -2202,4 +2222,80 @@ async fn the_console_reads_activity_results_and_id_ranges(h: Harness) {
             .expect("empty")
             .is_empty()
     );
+}
+
+/// Ingest writes an inbox row with the decision it expects (accepted, naming the operation
+/// it creates; a refusal it knows) and rewrites the rows that end otherwise: each row
+/// holds the final decision and operation, and a redelivery reads them back.
+async fn each_inbox_row_holds_its_proposals_final_decision(h: Harness) {
+    let l = h.ledger.as_ref();
+    let batch = [
+        // New: accepted, with its operation.
+        pay("e1", "o1", "49.00"),
+        // The same payment re-spelled: the key's duplicate, naming e1's operation.
+        pay("e2", "o1", "49.0"),
+        // An unknown tool: refused before the ledger.
+        item("e3", "no_such_tool", ("order", "o1"), json!({})),
+        // A new payment in the same batch as its duplicate below.
+        pay("e4", "o2", "5"),
+        pay("e5", "o2", "5.00"),
+    ];
+    let out = l.ingest(&batch).await.expect("ingest");
+    let op = |i: usize| {
+        out[i]
+            .operation
+            .as_ref()
+            .map(|o| o.operation_id)
+            .expect("an operation")
+    };
+    assert_eq!(out[0].decision, IngestDecision::Accepted);
+    assert_eq!(
+        out[1].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        }
+    );
+    assert_eq!(op(1), op(0));
+    assert!(matches!(out[2].decision, IngestDecision::Rejected { .. }));
+    assert_eq!(out[3].decision, IngestDecision::Accepted);
+    assert_eq!(op(4), op(3));
+    assert_eq!(ops_count(&h).await, 2);
+    let row = |event: &str, decision: &str, reason: &str, operation: Option<uuid::Uuid>| {
+        let operation = match operation {
+            Some(id) => format!("operation_id = '{id}'"),
+            None => "operation_id IS NULL".into(),
+        };
+        let reason = match reason {
+            "" => "reason IS NULL".into(),
+            r => format!("reason = '{r}'"),
+        };
+        format!(
+            "SELECT COUNT(*) FROM inbox WHERE source_id LIKE '%/{event}' \
+             AND decision = '{decision}' AND {reason} AND {operation}"
+        )
+    };
+    let rejected_reason = match &out[2].decision {
+        IngestDecision::Rejected { reason } => reason.clone(),
+        other => panic!("refused: {other:?}"),
+    };
+    for (sql, what) in [
+        (row("e1", "accepted", "", Some(op(0))), "e1 accepted"),
+        (row("e2", "deduplicated", "key", Some(op(0))), "e2 a key hit"),
+        (row("e3", "rejected", &rejected_reason, None), "e3 refused"),
+        (row("e4", "accepted", "", Some(op(3))), "e4 accepted"),
+        (row("e5", "deduplicated", "key", Some(op(3))), "e5 a key hit"),
+    ] {
+        assert_eq!(h.count(&sql).await, 1, "{what}: {sql}");
+    }
+    assert_eq!(h.count("SELECT COUNT(*) FROM inbox").await, 5);
+    // A redelivery of the whole batch reads every decision back from the inbox.
+    let again = l.ingest(&batch).await.expect("redeliver");
+    for (first, second) in out.iter().zip(&again) {
+        assert!(second.inbox_hit, "{second:?}");
+        assert_eq!(second.decision, first.decision);
+        assert_eq!(
+            second.operation.as_ref().map(|o| o.operation_id),
+            first.operation.as_ref().map(|o| o.operation_id)
+        );
+    }
 }

@@ -10,15 +10,37 @@ use super::*;
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
     let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
+    // What each proposal is expected to become, written into its inbox row: most are new
+    // (accepted, with the operation made here) or refused already, and their inbox row is
+    // then written once; the others are rewritten at the end.
+    let mut ops: Vec<Option<Operation>> = batch
+        .iter()
+        .map(|item| match item {
+            IngestItem::Accepted(env) => Some(new_operation(env, now)),
+            IngestItem::Rejected(_) => None,
+        })
+        .collect();
+    let expected: Vec<IngestDecision> = batch
+        .iter()
+        .map(|item| match item {
+            IngestItem::Accepted(_) => IngestDecision::Accepted,
+            IngestItem::Rejected(rej) => IngestDecision::Rejected {
+                reason: rej.rejection.reason.to_owned(),
+            },
+        })
+        .collect();
     let deliveries: Vec<NewInbox<'_>> = batch
         .iter()
-        .zip(&keys)
-        .map(|(item, key)| {
-            let delivery = match item {
+        .enumerate()
+        .map(|(i, item)| NewInbox {
+            key: &keys[i],
+            delivery: match item {
                 IngestItem::Accepted(env) => &env.delivery,
                 IngestItem::Rejected(rej) => &rej.delivery,
-            };
-            (key.as_str(), delivery, item.content_fingerprint())
+            },
+            fingerprint: item.content_fingerprint(),
+            decision: &expected[i],
+            operation_id: ops[i].as_ref().map(|op| op.operation_id),
         })
         .collect();
     // The inbox row is claimed first: a concurrent transaction ingesting the same event
@@ -31,11 +53,10 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     let mut candidates = Vec::new();
     let mut candidate_of = vec![None; batch.len()];
     for (i, item) in batch.iter().enumerate() {
-        if guarded[i].is_some() {
+        if guarded[i].is_some() || !fresh[i] {
             continue;
         }
-        if let (true, IngestItem::Accepted(env)) = (fresh[i], item) {
-            let mut op = new_operation(env, now);
+        if let (IngestItem::Accepted(_), Some(mut op)) = (item, ops[i].take()) {
             op.result_seq = 1;
             candidate_of[i] = Some(candidates.len());
             candidates.push(op);
@@ -52,7 +73,7 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     // keys that already existed.
     let redelivered: Vec<&str> = (0..batch.len())
         .filter(|&i| !fresh[i])
-        .map(|i| deliveries[i].0)
+        .map(|i| deliveries[i].key)
         .collect();
     let inbox_rows = tx.inbox_batch(&redelivered).await?;
     let prior_ids: Vec<Uuid> = inbox_rows.values().filter_map(|r| r.operation_id).collect();
@@ -72,7 +93,7 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         HashMap::new();
     let mut outcomes = Vec::with_capacity(batch.len());
     for (i, item) in batch.iter().enumerate() {
-        let inbox_key = deliveries[i].0;
+        let inbox_key = deliveries[i].key;
         let event_id = item.event_id();
         if !fresh[i] {
             // A redelivery: of an event decided earlier in this batch, or in an earlier one.
@@ -211,9 +232,9 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         .collect();
     tx.put_queue_rows(&queue_rows).await?;
     tx.insert_outbox_batch(&outbox).await?;
-    for op in hit.values() {
-        tx.update_operation(op).await?;
-    }
+    // The operations hit by duplicates (each locked above) in one statement.
+    let hit_ops: Vec<Operation> = hit.values().cloned().collect();
+    tx.update_operations_batch(&hit_ops).await?;
     // A dedupe outcome reports the operation as it stands after the whole batch.
     for outcome in &mut outcomes {
         if let Some(op) = &mut outcome.operation
@@ -222,9 +243,13 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             *op = latest.clone();
         }
     }
+    // The inbox rows whose proposals ended otherwise than their row says.
     let inbox_rows: Vec<(&str, &IngestDecision, Option<Uuid>)> = decisions
         .iter()
-        .map(|(i, decision, op)| (deliveries[*i].0, decision, *op))
+        .filter(|(i, decision, op)| {
+            *decision != *deliveries[*i].decision || *op != deliveries[*i].operation_id
+        })
+        .map(|(i, decision, op)| (deliveries[*i].key, decision, *op))
         .collect();
     tx.set_inbox_batch(&inbox_rows).await?;
     Ok(outcomes)

@@ -45,8 +45,18 @@ pub(crate) struct InboxRow {
     pub fingerprint: Option<String>,
 }
 
-/// A new inbox row: its key (`{namespace}/{event_id}`), delivery and fingerprint.
-pub(crate) type NewInbox<'a> = (&'a str, &'a Delivery, Option<&'a str>);
+/// A new inbox row: its key (`{namespace}/{event_id}`), delivery and fingerprint, and the
+/// decision it is written with: the one ingest expects (accepted with the operation it is
+/// about to create, or the refusal it already knows). Ingest rewrites the rows whose
+/// proposals end otherwise (duplicates, key conflicts), so most rows are written once.
+#[derive(Clone, Copy)]
+pub(crate) struct NewInbox<'a> {
+    pub key: &'a str,
+    pub delivery: &'a Delivery,
+    pub fingerprint: Option<&'a str>,
+    pub decision: &'a IngestDecision,
+    pub operation_id: Option<Uuid>,
+}
 
 /// Every row a claim or a record transaction writes once its transitions are planned in
 /// memory; [`Tx::write_rows`] writes them, one batched statement per kind of row.
@@ -73,7 +83,7 @@ pub(crate) struct Rows<'a> {
 pub(crate) trait Tx: Send {
     /// The database clock.
     fn now(&mut self) -> impl Future<Output = Result<OffsetDateTime>> + Send;
-    /// Inserts an inbox row (decision `accepted`, no operation yet); false if it exists.
+    /// Inserts an inbox row; false if it exists.
     fn insert_inbox(
         &mut self,
         row: NewInbox<'_>,
