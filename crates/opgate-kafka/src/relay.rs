@@ -155,7 +155,7 @@ impl ResultsRelay {
             .relay_round(
                 &self.claim,
                 Box::new(move |rows| {
-                    Box::pin(async move { self.publish(&rows, lease_ends).await })
+                    Box::pin(async move { self.publish(rows, lease_ends).await })
                 }),
             )
             .await?;
@@ -173,7 +173,8 @@ impl ResultsRelay {
     /// acknowledged; its first failure ends its chain, so a later result never overtakes
     /// an earlier one. No row is sent once less than one delivery timeout is left before
     /// `lease_ends`. Rows not acknowledged stay unpublished for a later round.
-    pub async fn publish(&self, rows: &[OutboxRow], lease_ends: Instant) -> Vec<i64> {
+    pub async fn publish(&self, rows: Vec<OutboxRow>, lease_ends: Instant) -> Vec<i64> {
+        let taken = rows.len();
         let mut chains: Vec<Vec<OutboxRow>> = Vec::new();
         let mut chain_of: HashMap<uuid::Uuid, usize> = HashMap::new();
         for row in rows {
@@ -183,9 +184,9 @@ impl ResultsRelay {
                         chains.push(Vec::new());
                         chains.len() - 1
                     });
-                    chains[i].push(row.clone());
+                    chains[i].push(row);
                 }
-                None => chains.push(vec![row.clone()]),
+                None => chains.push(vec![row]),
             }
         }
         let mut tasks = JoinSet::new();
@@ -211,7 +212,7 @@ impl ResultsRelay {
                 acked
             });
         }
-        let mut acked = Vec::with_capacity(rows.len());
+        let mut acked = Vec::with_capacity(taken);
         while let Some(done) = tasks.join_next().await {
             match done {
                 Ok(ids) => acked.extend(ids),
@@ -225,9 +226,8 @@ impl ResultsRelay {
 
 /// Produces one result row and waits for the broker's acknowledgement.
 async fn send(producer: &FutureProducer<QuietContext>, topic: &str, row: &OutboxRow) -> Result<()> {
-    let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
     let mut headers = OwnedHeaders::new();
-    if let Some(tp) = row.payload.get("traceparent").and_then(|v| v.as_str()) {
+    if let Some(tp) = &row.traceparent {
         headers = headers.insert(Header {
             key: crate::ingest::TRACEPARENT,
             value: Some(tp),
@@ -235,7 +235,7 @@ async fn send(producer: &FutureProducer<QuietContext>, topic: &str, row: &Outbox
     }
     let record = FutureRecord::to(topic)
         .key(&row.kafka_key)
-        .payload(&payload)
+        .payload(&row.payload)
         .headers(headers);
     producer
         .send(record, rdkafka::util::Timeout::Never)

@@ -407,7 +407,7 @@ async fn a_relay_crash_between_publish_and_mark_only_repeats_identical_results()
         .await
         .expect("lease");
     let lease_ends = tokio::time::Instant::now() + Duration::from_secs(60);
-    assert_eq!(crashed.publish(&rows, lease_ends).await.len(), 100);
+    assert_eq!(crashed.publish(rows, lease_ends).await.len(), 100);
     drop(crashed);
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Relay B takes over once the lease has expired.

@@ -210,7 +210,8 @@ impl PgTx {
     /// later ones were written, so one read in id order sees all that precede a row.
     async fn pick_results(&mut self, limit: usize) -> Result<Vec<OutboxRow>> {
         let rows = sqlx::query(
-            "SELECT id, operation_id, seq, status, kafka_key, payload, \
+            "SELECT id, operation_id, seq, status, kafka_key, payload::text AS payload, \
+             payload->>'traceparent' AS traceparent, \
              COALESCE(claimed_until >= now(), false) AS leased \
              FROM result_outbox WHERE published_at IS NULL ORDER BY id LIMIT $1",
         )
@@ -240,7 +241,8 @@ impl PgTx {
                     seq: row.try_get("seq")?,
                     status: row.try_get("status")?,
                     kafka_key: row.try_get("kafka_key")?,
-                    payload: row.try_get::<Json<Value>, _>("payload")?.0,
+                    payload: row.try_get("payload")?,
+                    traceparent: row.try_get("traceparent")?,
                 })
             })
             .collect()

@@ -720,7 +720,8 @@ impl Ledger for SqliteLedger {
             sqlx::query(
                 "UPDATE result_outbox SET claimed_by = $1, claimed_until = $2 \
                  WHERE id IN (SELECT value FROM json_each($3)) \
-                 RETURNING id, operation_id, seq, status, kafka_key, payload",
+                 RETURNING id, operation_id, seq, status, kafka_key, payload, \
+                 json_extract(payload, '$.traceparent') AS traceparent",
             )
             .bind(&request.owner)
             .bind(ts(until))
@@ -737,7 +738,8 @@ impl Ledger for SqliteLedger {
                     seq: row.try_get("seq")?,
                     status: row.try_get("status")?,
                     kafka_key: row.try_get("kafka_key")?,
-                    payload: get_json(row, "payload")?,
+                    payload: row.try_get("payload")?,
+                    traceparent: row.try_get("traceparent")?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -189,8 +189,17 @@ pub struct OutboxRow {
     pub status: String,
     /// Kafka key (`{entity_type}:{entity_id}`).
     pub kafka_key: String,
-    /// The result message.
-    pub payload: Value,
+    /// The result message, as the JSON text the relay publishes (not parsed on the way).
+    pub payload: String,
+    /// The message's `traceparent`, carried as a Kafka header.
+    pub traceparent: Option<String>,
+}
+
+impl OutboxRow {
+    /// The result message, parsed.
+    pub fn message(&self) -> serde_json::Result<Value> {
+        serde_json::from_str(&self.payload)
+    }
 }
 
 /// One history entry.

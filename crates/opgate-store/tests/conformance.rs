@@ -188,10 +188,10 @@ async fn duplicate_key_from_another_event_is_a_dedupe_hit(h: Harness) {
         .expect("results");
     let dedupe = rows
         .iter()
-        .find(|r| r.payload["event_id"] == "e2")
+        .find(|r| r.message().expect("result JSON")["event_id"] == "e2")
         .expect("result for e2");
     assert_eq!(
-        dedupe.payload["dedupe"],
+        dedupe.message().expect("result JSON")["dedupe"],
         json!({"hit": true, "reason": "key"})
     );
     assert_eq!(dedupe.operation_id, Some(id(0)));
@@ -535,7 +535,7 @@ async fn result_outbox_covers_every_decision_and_transition(h: Harness) {
         .iter()
         .map(|r| {
             (
-                r.payload["event_id"]
+                r.message().expect("result JSON")["event_id"]
                     .as_str()
                     .unwrap_or_default()
                     .to_owned(),
@@ -578,13 +578,26 @@ async fn result_outbox_covers_every_decision_and_transition(h: Harness) {
         ),
     ];
     assert_eq!(seen, expected);
-    let rejected = &rows[2].payload;
+    let rejected = &rows[2].message().expect("result JSON");
     assert_eq!(rejected["error"]["category"], "unknown_tool");
     assert_eq!(rejected["operation_id"], json!(null));
     assert_eq!(
-        rows[0].payload["traceparent"],
+        rows[0].message().expect("result JSON")["traceparent"],
         json!("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
     );
+    // The relay's header comes with the row, unparsed payload beside it.
+    assert_eq!(
+        rows[0].traceparent.as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    for row in &rows {
+        let message = row.message().expect("result JSON");
+        assert_eq!(
+            row.traceparent.as_deref(),
+            message["traceparent"].as_str(),
+            "{row:?}"
+        );
+    }
     assert!(
         l.claim_results(&claim_request("relay2", LONG, 100))
             .await
@@ -743,10 +756,10 @@ async fn the_same_key_from_another_tool_is_a_conflict(h: Harness) {
         .expect("results");
     let rejected = rows
         .iter()
-        .find(|r| r.payload["event_id"] == "e2")
+        .find(|r| r.message().expect("result JSON")["event_id"] == "e2")
         .expect("result for e2");
     assert!(
-        rejected.payload["error"]["message"]
+        rejected.message().expect("result JSON")["error"]["message"]
             .as_str()
             .unwrap_or_default()
             .contains("pay")

@@ -98,6 +98,8 @@ struct PgCounters {
     row_writes: i64,
     /// Statements executed, `BEGIN` and `COMMIT` included: the round trips to the
     /// database. Only where `pg_stat_statements` is loaded and created in the database.
+    /// Foreign-key checks deferred to `COMMIT` are listed there as statements of their
+    /// own (`... FOR KEY SHARE OF x`); they are no round trip and are left out.
     statements: Option<i64>,
 }
 
@@ -110,7 +112,8 @@ async fn pg_counters(pool: &sqlx::PgPool) -> anyhow::Result<PgCounters> {
     .await?;
     let statements = sqlx::query_scalar::<_, Option<i64>>(
         "SELECT sum(calls)::bigint FROM pg_stat_statements \
-         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND query NOT LIKE '%FOR KEY SHARE OF x'",
     )
     .fetch_one(pool)
     .await
