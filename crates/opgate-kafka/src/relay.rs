@@ -154,9 +154,7 @@ impl ResultsRelay {
             .ledger
             .relay_round(
                 &self.claim,
-                Box::new(move |rows| {
-                    Box::pin(async move { self.publish(rows, lease_ends).await })
-                }),
+                Box::new(move |rows| Box::pin(async move { self.publish(rows, lease_ends).await })),
             )
             .await?;
         if taken > 0 {

@@ -2293,10 +2293,16 @@ async fn each_inbox_row_holds_its_proposals_final_decision(h: Harness) {
     };
     for (sql, what) in [
         (row("e1", "accepted", "", Some(op(0))), "e1 accepted"),
-        (row("e2", "deduplicated", "key", Some(op(0))), "e2 a key hit"),
+        (
+            row("e2", "deduplicated", "key", Some(op(0))),
+            "e2 a key hit",
+        ),
         (row("e3", "rejected", &rejected_reason, None), "e3 refused"),
         (row("e4", "accepted", "", Some(op(3))), "e4 accepted"),
-        (row("e5", "deduplicated", "key", Some(op(3))), "e5 a key hit"),
+        (
+            row("e5", "deduplicated", "key", Some(op(3))),
+            "e5 a key hit",
+        ),
     ] {
         assert_eq!(h.count(&sql).await, 1, "{what}: {sql}");
     }
