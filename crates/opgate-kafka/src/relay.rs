@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use std::collections::HashMap;
 
-use opgate_store::{ClaimRequest, OutboxRow, SharedLedger};
+use opgate_store::{ClaimRequest, OutboxRow, RelayRound, SharedLedger};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio::task::JoinSet;
@@ -61,6 +61,11 @@ pub fn delivery_timeout(config: &KafkaConfig) -> Result<Duration> {
         .unwrap_or(30_000);
     Ok(Duration::from_millis(ms))
 }
+
+/// How long a relay that found another relay's turn waits before trying again: how soon
+/// it takes over from a relay that stopped (a crashed relay's turn is free at once; a hung
+/// one's after its lease).
+const STANDBY: Duration = Duration::from_millis(500);
 
 /// Publishes the result outbox.
 pub struct ResultsRelay {
@@ -118,7 +123,10 @@ impl ResultsRelay {
         while !cancel.is_cancelled() {
             changes.seen();
             let (pause, wake_on_change) = match self.relay_once().await {
-                Ok(0) => (self.idle, true),
+                // Another relay holds the turn and is woken by the commits itself; this
+                // one tries again now and then, to take over if that relay stops.
+                Ok(round) if round.standby => (STANDBY, false),
+                Ok(round) if round.marked == 0 => (self.idle, true),
                 Ok(_) => {
                     backoff = crate::stall_backoff();
                     (Duration::ZERO, false)
@@ -146,24 +154,27 @@ impl ResultsRelay {
         Ok(())
     }
 
-    /// One round: take, publish, mark ([`opgate_store::Ledger::relay_round`]). Returns how
-    /// many rows were marked published.
-    pub async fn relay_once(&self) -> Result<usize> {
+    /// One round: take, publish, mark ([`opgate_store::Ledger::relay_round`]).
+    pub async fn relay_once(&self) -> Result<RelayRound> {
         let lease_ends = Instant::now() + self.claim.lease;
-        let (taken, published) = self
+        let round = self
             .ledger
             .relay_round(
                 &self.claim,
                 Box::new(move |rows| Box::pin(async move { self.publish(rows, lease_ends).await })),
             )
             .await?;
-        if taken > 0 {
+        if round.taken > 0 {
             opgate_metrics::metrics()
                 .results_published
-                .inc_by(published as u64);
-            debug!(published, taken, "relayed results");
+                .inc_by(round.marked as u64);
+            debug!(
+                published = round.marked,
+                taken = round.taken,
+                "relayed results"
+            );
         }
-        Ok(published)
+        Ok(round)
     }
 
     /// Produces leased rows (in id order) and returns the ids the broker acknowledged.

@@ -81,7 +81,8 @@ pub trait Ledger: Send + Sync + 'static {
     /// One round of the results relay: takes unpublished rows as [`Ledger::claim_results`]
     /// does (oldest first, an operation's rows only with every earlier unpublished one),
     /// hands them to `publish`, and marks the ids it returns published. Returns how many
-    /// rows were taken and how many were marked.
+    /// rows were taken and how many were marked, and whether it stood by for another
+    /// relay's turn.
     ///
     /// The default leases the rows, publishes and marks: three steps. On PostgreSQL the
     /// relays take turns instead: a round holds the relay's turn (a transaction-scoped
@@ -93,15 +94,19 @@ pub trait Ledger: Send + Sync + 'static {
         &self,
         request: &ClaimRequest,
         publish: Publish<'_>,
-    ) -> Result<(usize, usize)> {
+    ) -> Result<RelayRound> {
         let rows = self.claim_results(request).await?;
         if rows.is_empty() {
-            return Ok((0, 0));
+            return Ok(RelayRound::default());
         }
         let taken = rows.len();
         let acked = publish(rows).await;
         self.mark_published(&acked).await?;
-        Ok((taken, acked.len()))
+        Ok(RelayRound {
+            taken,
+            marked: acked.len(),
+            standby: false,
+        })
     }
 
     /// One operation.

@@ -218,34 +218,31 @@ impl PgTx {
         .bind(limit as i64)
         .fetch_all(&mut *self.0)
         .await?;
+        let mut taken = Vec::with_capacity(rows.len());
         let mut candidates = Vec::with_capacity(rows.len());
         let mut pending = Vec::with_capacity(rows.len());
         for row in &rows {
-            let id: i64 = row.try_get("id")?;
-            let operation_id: Option<Uuid> = row.try_get("operation_id")?;
-            if let Some(op) = operation_id {
-                pending.push((op, id));
+            let out = OutboxRow {
+                id: row.try_get("id")?,
+                operation_id: row.try_get("operation_id")?,
+                seq: row.try_get("seq")?,
+                status: row.try_get("status")?,
+                kafka_key: row.try_get("kafka_key")?,
+                payload: row.try_get("payload")?,
+                traceparent: row.try_get("traceparent")?,
+            };
+            if let Some(op) = out.operation_id {
+                pending.push((op, out.id));
             }
             if !row.try_get::<bool, _>("leased")? {
-                candidates.push((id, operation_id));
+                candidates.push((out.id, out.operation_id));
             }
+            taken.push(out);
         }
         let keep: std::collections::HashSet<i64> =
             in_order_prefix(&candidates, &pending).into_iter().collect();
-        rows.iter()
-            .filter(|row| row.try_get("id").is_ok_and(|id: i64| keep.contains(&id)))
-            .map(|row| {
-                Ok(OutboxRow {
-                    id: row.try_get("id")?,
-                    operation_id: row.try_get("operation_id")?,
-                    seq: row.try_get("seq")?,
-                    status: row.try_get("status")?,
-                    kafka_key: row.try_get("kafka_key")?,
-                    payload: row.try_get("payload")?,
-                    traceparent: row.try_get("traceparent")?,
-                })
-            })
-            .collect()
+        taken.retain(|row| keep.contains(&row.id));
+        Ok(taken)
     }
 
     /// Operations by id, with a trailing clause (ordering and locking).
@@ -1027,18 +1024,21 @@ impl Ledger for PgLedger {
         &self,
         request: &ClaimRequest,
         publish: crate::Publish<'_>,
-    ) -> Result<(usize, usize)> {
+    ) -> Result<RelayRound> {
         // Not retried as a whole: a failure leaves the rows unpublished for a later round
         // (the broker may have them already; consumers dedupe on seq).
         let mut tx = self.begin().await?;
         if !tx.take_relay_turn(request.lease).await? {
             tx.0.commit().await?;
-            return Ok((0, 0));
+            return Ok(RelayRound {
+                standby: true,
+                ..RelayRound::default()
+            });
         }
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
             tx.0.commit().await?;
-            return Ok((0, 0));
+            return Ok(RelayRound::default());
         }
         let taken = rows.len();
         let acked = publish(rows).await;
@@ -1049,7 +1049,11 @@ impl Ledger for PgLedger {
         .execute(&mut *tx.0)
         .await?;
         tx.0.commit().await?;
-        Ok((taken, acked.len()))
+        Ok(RelayRound {
+            taken,
+            marked: acked.len(),
+            standby: false,
+        })
     }
 
     async fn mark_published(&self, ids: &[i64]) -> Result<()> {

@@ -176,6 +176,18 @@ pub struct Command {
     pub result: Option<Value>,
 }
 
+/// What one relay round did ([`crate::Ledger::relay_round`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RelayRound {
+    /// Rows taken and handed to the publish.
+    pub taken: usize,
+    /// Rows marked published (those the broker acknowledged).
+    pub marked: usize,
+    /// Another relay held the turn (PostgreSQL), so this round took nothing: the relay
+    /// stands by rather than trying again on every commit.
+    pub standby: bool,
+}
+
 /// One row of the result outbox.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRow {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opgate_core::{Event, Resolution, Status};
-use opgate_store::{Command, Error, IngestDecision, Ledger, ListFilter, Recording};
+use opgate_store::{Command, Error, IngestDecision, Ledger, ListFilter, Recording, RelayRound};
 use serde_json::json;
 use support::{Harness, Raw, claim_request, item, item_with, pay};
 
@@ -1847,7 +1847,11 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
     // relays lease rows, so B takes o2's row; PostgreSQL's take turns (one relay
     // transaction at a time), so B gets no turn and takes nothing.
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let (taken, marked) = l
+    let RelayRound {
+        taken,
+        marked,
+        standby,
+    } = l
         .relay_round(&claim_request("relay-b", LONG, 10), ack_all(seen.clone()))
         .await
         .expect("round B");
@@ -1858,6 +1862,7 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
         Raw::Postgres(_) => 0,
     };
     assert_eq!((taken, marked), (expected, expected));
+    assert_eq!(standby, expected == 0, "PostgreSQL stands by for the turn");
     assert_eq!(b_seen.len(), expected);
     assert!(
         b_seen.iter().all(|(op, _)| *op != Some(op1)),
@@ -1877,17 +1882,17 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
         .expect("mark");
 
     release.send(()).expect("round A waits");
-    let (taken, marked) = a.await.expect("round A").expect("round A");
+    let RelayRound { taken, marked, .. } = a.await.expect("round A").expect("round A");
     assert_eq!((taken, marked), (2, 1));
     // Seq 2 was not acknowledged: it goes again, before seq 3 (on PostgreSQL at once, the
-    // round's locks gone; with a written lease once it ran out).
+    // round's turn over; with a written lease once it ran out).
     seen.lock().expect("seen").clear();
     let started = std::time::Instant::now();
     while l
         .relay_round(&claim_request("relay-b", LONG, 10), ack_all(seen.clone()))
         .await
         .expect("round C")
-        .0
+        .taken
         == 0
     {
         assert!(
@@ -1931,7 +1936,7 @@ async fn a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out(h: Har
     let started = std::time::Instant::now();
     seen.lock().expect("seen").clear();
     let taken = loop {
-        let (taken, _) = l
+        let RelayRound { taken, .. } = l
             .relay_round(&claim_request("relay-d", LONG, 10), ack_all(seen.clone()))
             .await
             .expect("round D");

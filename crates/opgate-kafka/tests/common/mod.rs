@@ -376,7 +376,7 @@ pub async fn relay_all(env: &Env) -> usize {
     .expect("relay");
     let mut total = 0;
     loop {
-        let n = relay.relay_once().await.expect("relay round");
+        let n = relay.relay_once().await.expect("relay round").marked;
         if n == 0 {
             return total;
         }

@@ -11,12 +11,12 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
     let now = tx.now().await?;
     let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
     // What each proposal is expected to become, written into its inbox row: most are new
-    // (accepted, with the operation made here) or refused already, and their inbox row is
-    // then written once; the others are rewritten at the end.
-    let mut ops: Vec<Option<Operation>> = batch
+    // (accepted, naming the operation id drawn here) or refused already, and their inbox
+    // row is then written once; the others are rewritten at the end.
+    let op_ids: Vec<Option<Uuid>> = batch
         .iter()
         .map(|item| match item {
-            IngestItem::Accepted(env) => Some(new_operation(env, now)),
+            IngestItem::Accepted(_) => Some(Uuid::now_v7()),
             IngestItem::Rejected(_) => None,
         })
         .collect();
@@ -40,7 +40,7 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             },
             fingerprint: item.content_fingerprint(),
             decision: &expected[i],
-            operation_id: ops[i].as_ref().map(|op| op.operation_id),
+            operation_id: op_ids[i],
         })
         .collect();
     // The inbox row is claimed first: a concurrent transaction ingesting the same event
@@ -56,7 +56,8 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         if guarded[i].is_some() || !fresh[i] {
             continue;
         }
-        if let (IngestItem::Accepted(_), Some(mut op)) = (item, ops[i].take()) {
+        if let (IngestItem::Accepted(env), Some(id)) = (item, op_ids[i]) {
+            let mut op = Operation::from_envelope(env, id, now);
             op.result_seq = 1;
             candidate_of[i] = Some(candidates.len());
             candidates.push(op);
