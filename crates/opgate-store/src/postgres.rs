@@ -188,8 +188,9 @@ impl PgTx {
     ///
     /// Serializing the relays replaces locking each row (`FOR UPDATE SKIP LOCKED`, a
     /// row version written per result row and a second statement to keep each
-    /// operation's rows in order): one relay publishes faster than the ledger writes
-    /// results (BENCHMARKS.md), so the others wait idle for the turn.
+    /// operation's rows in order); the others stand by. One relay kept up with the
+    /// dispatch path in the benchmarks and fell behind by a few seconds only in an
+    /// ingest burst (BENCHMARKS.md, "Session of 2026-12-02").
     async fn take_relay_turn(&mut self, lease: Duration) -> Result<bool> {
         let (_, turn): (String, bool) = sqlx::query_as(
             "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
