@@ -184,12 +184,51 @@ impl sqlx::error::DatabaseError for Refused {
 /// A ledger that refuses, like PostgreSQL refuses a NUL, every batch holding a proposal
 /// whose `args.note` is `refuse-me` — a value opgate's own checks let through — and,
 /// while `stall` is set, times out (a transient error) on every batch holding a proposal
-/// for an entity whose id starts with `stuck`.
-struct Refusing(SharedLedger, Arc<std::sync::atomic::AtomicBool>);
+/// for an entity whose id starts with `stuck`. It notes the partitions of every ingest
+/// call (before its answer) and takes `slow` over each.
+struct Refusing {
+    inner: SharedLedger,
+    stall: Arc<std::sync::atomic::AtomicBool>,
+    slow: Duration,
+    calls: Arc<std::sync::Mutex<Vec<Vec<i32>>>>,
+}
+
+impl Refusing {
+    fn new(inner: SharedLedger) -> Self {
+        Self {
+            inner,
+            stall: Arc::default(),
+            slow: Duration::ZERO,
+            calls: Arc::default(),
+        }
+    }
+}
+
+/// The partitions an ingest call carried, in order, each once.
+fn partitions_of(batch: &[IngestItem]) -> Vec<i32> {
+    let mut partitions: Vec<i32> = batch
+        .iter()
+        .filter_map(|item| {
+            let delivery = match item {
+                IngestItem::Accepted(env) => &env.delivery,
+                IngestItem::Rejected(rejected) => &rejected.delivery,
+            };
+            match delivery.source {
+                opgate_core::Source::Kafka { partition, .. } => Some(partition),
+                opgate_core::Source::Http => None,
+            }
+        })
+        .collect();
+    partitions.sort_unstable();
+    partitions.dedup();
+    partitions
+}
 
 #[async_trait::async_trait]
 impl Ledger for Refusing {
     async fn ingest(&self, batch: &[IngestItem]) -> opgate_store::Result<Vec<IngestOutcome>> {
+        self.calls.lock().expect("calls").push(partitions_of(batch));
+        tokio::time::sleep(self.slow).await;
         let poisoned = batch.iter().any(|item| {
             matches!(item, IngestItem::Accepted(env) if env.canonical_args["note"] == "refuse-me")
         });
@@ -198,7 +237,7 @@ impl Ledger for Refusing {
                 Box::new(Refused("22P05")),
             )));
         }
-        let stalled = self.1.load(std::sync::atomic::Ordering::SeqCst)
+        let stalled = self.stall.load(std::sync::atomic::Ordering::SeqCst)
             && batch.iter().any(|item| {
                 matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("stuck"))
             });
@@ -209,93 +248,93 @@ impl Ledger for Refusing {
             |item| matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("panic")),
         );
         assert!(!bug, "a bug in the ledger adapter");
-        self.0.ingest(batch).await
+        self.inner.ingest(batch).await
     }
     async fn claim(
         &self,
         r: &opgate_store::ClaimRequest,
     ) -> opgate_store::Result<Vec<opgate_store::Claim>> {
-        self.0.claim(r).await
+        self.inner.claim(r).await
     }
     async fn record(
         &self,
         r: &[opgate_store::Recording],
     ) -> opgate_store::Result<Vec<opgate_store::Result<Operation>>> {
-        self.0.record(r).await
+        self.inner.record(r).await
     }
     async fn claim_reconcile(
         &self,
         r: &opgate_store::ClaimRequest,
     ) -> opgate_store::Result<Vec<opgate_store::Claim>> {
-        self.0.claim_reconcile(r).await
+        self.inner.claim_reconcile(r).await
     }
     async fn apply(&self, c: &opgate_store::Command) -> opgate_store::Result<Operation> {
-        self.0.apply(c).await
+        self.inner.apply(c).await
     }
     async fn compensate(
         &self,
         r: &opgate_store::CompensationRequest,
     ) -> opgate_store::Result<(Operation, Operation)> {
-        self.0.compensate(r).await
+        self.inner.compensate(r).await
     }
     async fn claim_results(
         &self,
         r: &opgate_store::ClaimRequest,
     ) -> opgate_store::Result<Vec<opgate_store::OutboxRow>> {
-        self.0.claim_results(r).await
+        self.inner.claim_results(r).await
     }
     async fn mark_published(&self, ids: &[i64]) -> opgate_store::Result<()> {
-        self.0.mark_published(ids).await
+        self.inner.mark_published(ids).await
     }
     async fn operation(&self, id: Uuid) -> opgate_store::Result<Option<Operation>> {
-        self.0.operation(id).await
+        self.inner.operation(id).await
     }
     async fn operation_by_key(
         &self,
         ns: &str,
         key: &str,
     ) -> opgate_store::Result<Option<Operation>> {
-        self.0.operation_by_key(ns, key).await
+        self.inner.operation_by_key(ns, key).await
     }
     async fn ids_between(&self, lo: Uuid, hi: Uuid, n: i64) -> opgate_store::Result<Vec<Uuid>> {
-        self.0.ids_between(lo, hi, n).await
+        self.inner.ids_between(lo, hi, n).await
     }
     async fn results(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::ResultRecord>> {
-        self.0.results(id).await
+        self.inner.results(id).await
     }
     async fn activity(
         &self,
         since: time::OffsetDateTime,
     ) -> opgate_store::Result<opgate_store::Activity> {
-        self.0.activity(since).await
+        self.inner.activity(since).await
     }
     async fn events(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::OperationEvent>> {
-        self.0.events(id).await
+        self.inner.events(id).await
     }
     async fn attempts(&self, id: Uuid) -> opgate_store::Result<Vec<opgate_store::Attempt>> {
-        self.0.attempts(id).await
+        self.inner.attempts(id).await
     }
     async fn list(&self, f: &opgate_store::ListFilter) -> opgate_store::Result<opgate_store::Page> {
-        self.0.list(f).await
+        self.inner.list(f).await
     }
     async fn reap(&self, r: Duration) -> opgate_store::Result<opgate_store::ReapStats> {
-        self.0.reap(r).await
+        self.inner.reap(r).await
     }
     async fn stats(&self) -> opgate_store::Result<opgate_store::LedgerStats> {
-        self.0.stats().await
+        self.inner.stats().await
     }
     async fn schema_status(&self) -> opgate_store::Result<opgate_store::SchemaStatus> {
-        self.0.schema_status().await
+        self.inner.schema_status().await
     }
     fn changes(&self) -> opgate_store::Changes {
-        self.0.changes()
+        self.inner.changes()
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
     let mut env = env(1).await;
-    env.ledger = Arc::new(Refusing(env.ledger.clone(), Arc::default()));
+    env.ledger = Arc::new(Refusing::new(env.ledger.clone()));
     let refused = |event_id: &str| {
         json!({"event_id": event_id, "namespace": "acme", "tool": "email",
             "entity": {"type": "user", "id": event_id}, "args": {"to": "a@example.com", "note": "refuse-me"}})
@@ -351,6 +390,78 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
     }
 }
 
+/// Group commit (ingest/group.rs): batches that wait while the ledger is busy go into
+/// one transaction together, and a refusal in such a group stays its partition's. The
+/// ledger takes 1.5 s over each call, so partitions 1-3's first batches (produced before
+/// the worker starts) fill both transactions in flight and leave one waiting; partition
+/// 0's batch, produced once the first call is under way, joins the waiting one. That
+/// group is refused (partition 0 holds a value the ledger cannot take): each batch is
+/// then ingested alone, partition 0's refused record is split out and dead-lettered, and
+/// every other record of both partitions is accepted and committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_partitions() {
+    let mut env = env(4).await;
+    let ledger = Arc::new(Refusing {
+        slow: Duration::from_millis(1500),
+        ..Refusing::new(env.ledger.clone())
+    });
+    let calls = ledger.calls.clone();
+    env.ledger = ledger;
+    let early: Vec<(i32, Vec<u8>)> = (1..4)
+        .flat_map(|p| (0..3).map(move |i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}")))))
+        .collect();
+    produce_to(&env, &early).await;
+    let worker = start_worker(&env, Limits::default(), 100);
+    let stats = worker.stats.clone();
+    eventually("the first ledger call is under way", WAIT, || async {
+        !calls.lock().expect("calls").is_empty()
+    })
+    .await;
+    let refused = json!({"event_id": "bad-0", "namespace": "acme", "tool": "email",
+        "entity": {"type": "user", "id": "u0"}, "args": {"to": "a@example.com", "note": "refuse-me"}})
+    .to_string()
+    .into_bytes();
+    produce_to(
+        &env,
+        &[
+            (0, good("p0-0", "o0-0")),
+            (0, refused),
+            (0, good("p0-2", "o0-2")),
+        ],
+    )
+    .await;
+    eventually("every record answered", WAIT, || async {
+        IngestStats::get(&stats.accepted) + IngestStats::get(&stats.rejected) >= 12
+    })
+    .await;
+    eventually(
+        "every partition's offset moved past its batch",
+        WAIT,
+        || async { committed(&env, 4) == vec![3, 3, 3, 3] },
+    )
+    .await;
+    worker.stop().await;
+
+    let calls = calls.lock().expect("calls").clone();
+    assert!(
+        calls.iter().any(|c| c.len() >= 2 && c.contains(&0)),
+        "partition 0's batch went into a group with another partition's: {calls:?}"
+    );
+    assert_eq!(IngestStats::get(&stats.accepted), 11, "every good record");
+    assert_eq!(IngestStats::get(&stats.rejected), 1);
+    assert_eq!(IngestStats::get(&stats.deduplicated_inbox), 0);
+    assert_eq!(
+        env.count("SELECT COUNT(*) FROM inbox WHERE decision = 'accepted'")
+            .await,
+        11
+    );
+    let letters = read_topic(&env, DLQ_TOPIC, 1, WAIT).await;
+    assert_eq!(letters.len(), 1);
+    let h = headers_of(&letters[0]);
+    assert_eq!(h["opgate.dlq.reason"], "ledger_refused");
+    assert_eq!(h["opgate.dlq.event_id"], "bad-0");
+}
+
 /// Each partition is its own pipeline: while partition 0 cannot store its batch (the
 /// ledger keeps timing out on it), partitions 1 and 2 are ingested and their offsets
 /// committed; the stall is reported for `/readyz`; once the ledger answers, partition 0
@@ -359,7 +470,10 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
 async fn a_stuck_partition_does_not_stop_the_others() {
     let mut env = env(3).await;
     let stall = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    env.ledger = Arc::new(Refusing(env.ledger.clone(), stall.clone()));
+    env.ledger = Arc::new(Refusing {
+        stall: stall.clone(),
+        ..Refusing::new(env.ledger.clone())
+    });
     let mut records = vec![(0, good("s0", "stuck-0")), (0, good("s1", "stuck-1"))];
     records.extend((0..5).map(|i| (1, good(&format!("a{i}"), &format!("a{i}")))));
     records.extend((0..5).map(|i| (2, good(&format!("b{i}"), &format!("b{i}")))));
@@ -416,7 +530,7 @@ async fn a_stuck_partition_does_not_stop_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_partition_stops_the_member_without_committing_past_it() {
     let mut env = env(1).await;
-    env.ledger = Arc::new(Refusing(env.ledger.clone(), Arc::default()));
+    env.ledger = Arc::new(Refusing::new(env.ledger.clone()));
     let records = vec![
         (0, good("g1", "o1")),
         (0, good("p1", "panic-1")),

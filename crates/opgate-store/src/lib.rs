@@ -49,6 +49,22 @@ pub trait Ledger: Send + Sync + 'static {
     /// id is an inbox hit and changes nothing; an existing key is a dedupe hit.
     async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>>;
 
+    /// As [`Self::ingest`], except that waiting longer than `lock_wait` for a lock another
+    /// transaction holds ends the ingest with an error (neither transient nor
+    /// deterministic) and nothing written. For a transaction that carries several
+    /// partitions' batches: one batch waiting on a lock must not hold up the others for
+    /// long (they are then ingested each on its own). The default ingests as usual
+    /// (SQLite's single writer makes others wait for the write lock, a busy error that is
+    /// retried; PostgreSQL sets `lock_timeout`).
+    async fn ingest_waiting_at_most(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: std::time::Duration,
+    ) -> Result<Vec<IngestOutcome>> {
+        let _ = lock_wait;
+        self.ingest(batch).await
+    }
+
     /// Leases ready, head-of-line operations and persists `dispatched` and an attempt
     /// for each, before the caller sends anything.
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>>;

@@ -133,6 +133,8 @@ struct Prelude {
     notify: Option<Arc<PgChanges>>,
     /// Planner settings for the rest of the transaction.
     planner: Planner,
+    /// The longest a statement of the transaction may wait for a lock (`lock_timeout`).
+    lock_wait: Option<Duration>,
 }
 
 /// Planner settings a hot-path transaction runs with (`set_config(..., true)`, as `SET
@@ -521,8 +523,14 @@ impl Tx for PgTx {
         } else {
             "NULL"
         };
+        let lock_wait = self.1.lock_wait.take().map_or(String::new(), |wait| {
+            format!(
+                ", set_config('lock_timeout', '{}', true)",
+                millis(wait).max(1)
+            )
+        });
         let sql = format!(
-            "SELECT clock_timestamp() FROM (SELECT {notify_sql}{}) AS p",
+            "SELECT clock_timestamp() FROM (SELECT {notify_sql}{}{lock_wait}) AS p",
             planner.settings()
         );
         let mut query = sqlx::query_scalar(&sql);
@@ -1055,6 +1063,18 @@ impl Ledger for PgLedger {
         })
     }
 
+    async fn ingest_waiting_at_most(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: Duration,
+    ) -> Result<Vec<IngestOutcome>> {
+        write_tx!(self, |tx| {
+            tx.1.planner = Planner::Keyed;
+            tx.1.lock_wait = Some(lock_wait);
+            flow::ingest(&mut tx, batch).await?
+        })
+    }
+
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
         in_tx!(self, Error::is_claim_race, |tx| {
             tx.1.planner = Planner::Claim;
@@ -1461,21 +1481,7 @@ mod tests {
     async fn an_operation_reads_back_as_inserted_and_as_updated() -> Result<()> {
         use time::macros::datetime;
 
-        let url = std::env::var("OPGATE_TEST_DATABASE_URL").map_err(|_| {
-            Error::Corrupt(
-                "set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)"
-                    .into(),
-            )
-        })?;
-        let schema = format!("t_{}", Uuid::now_v7().simple());
-        let admin = PgPool::connect(&url).await?;
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&admin)
-            .await?;
-        let options: PgConnectOptions = url.parse()?;
-        let ledger =
-            PgLedger::connect_with(options.options([("search_path", schema.as_str())])).await?;
-        ledger.migrate().await?;
+        let (ledger, _schema) = fresh_ledger().await?;
 
         let mut op = Operation {
             operation_id: Uuid::now_v7(),
@@ -1559,9 +1565,130 @@ mod tests {
             Some(&op)
         );
         tx.0.rollback().await?;
-        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        Ok(())
+    }
+
+    /// A ledger in a new schema of `OPGATE_TEST_DATABASE_URL`, which it drops when dropped.
+    #[cfg(feature = "integration")]
+    async fn fresh_ledger() -> Result<(PgLedger, Schema)> {
+        let url = std::env::var("OPGATE_TEST_DATABASE_URL").map_err(|_| {
+            Error::Corrupt(
+                "set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)"
+                    .into(),
+            )
+        })?;
+        let name = format!("t_{}", Uuid::now_v7().simple());
+        let admin = PgPool::connect(&url).await?;
+        sqlx::query(&format!("CREATE SCHEMA {name}"))
             .execute(&admin)
             .await?;
+        let options: PgConnectOptions = url.parse()?;
+        let ledger =
+            PgLedger::connect_with(options.options([("search_path", name.as_str())])).await?;
+        ledger.migrate().await?;
+        Ok((ledger, Schema { admin, name }))
+    }
+
+    /// A test schema, dropped with its contents at the end of the test.
+    #[cfg(feature = "integration")]
+    struct Schema {
+        admin: PgPool,
+        name: String,
+    }
+
+    #[cfg(feature = "integration")]
+    impl Drop for Schema {
+        fn drop(&mut self) {
+            let (admin, name) = (self.admin.clone(), self.name.clone());
+            // Best effort: .ci/run drops every leftover `t_` schema before a run.
+            tokio::spawn(async move {
+                let _ = sqlx::query(&format!("DROP SCHEMA {name} CASCADE"))
+                    .execute(&admin)
+                    .await;
+            });
+        }
+    }
+
+    /// A rejected proposal: an inbox row and a result row, nothing else to set up.
+    #[cfg(feature = "integration")]
+    fn rejected(event_id: &str) -> IngestItem {
+        IngestItem::Rejected(Box::new(opgate_core::RejectedProposal {
+            event_id: event_id.into(),
+            delivery: opgate_core::Delivery {
+                principal: None,
+                source: opgate_core::Source::Http,
+                traceparent: None,
+            },
+            namespace: Some("ns".into()),
+            workflow_id: None,
+            step: None,
+            tool: None,
+            entity: None,
+            rejection: opgate_core::Rejection {
+                reason: "schema",
+                message: "test".into(),
+            },
+            content_fingerprint: None,
+        }))
+    }
+
+    /// A transaction carrying several partitions' batches waits at most its bound for a
+    /// lock another transaction holds (here: another ingest of the same event id, not yet
+    /// committed), then ends with nothing written; a plain ingest waits for the other.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn a_bounded_lock_wait_ends_the_ingest_and_writes_nothing() -> Result<()> {
+        let (ledger, _schema) = fresh_ledger().await?;
+        let mut holder = ledger.begin().await?;
+        flow::ingest(&mut holder, &[rejected("held")]).await?;
+
+        let started = std::time::Instant::now();
+        let bounded = tokio::time::timeout(
+            Duration::from_secs(10),
+            ledger.ingest_waiting_at_most(
+                &[rejected("free"), rejected("held")],
+                Duration::from_millis(200),
+            ),
+        )
+        .await
+        .map_err(|_| Error::Corrupt("the bounded ingest still waited after 10 s".into()))?;
+        let waited = started.elapsed();
+        let err = match bounded {
+            Err(e) => e,
+            Ok(outcomes) => panic!("expected a lock timeout, got {outcomes:?}"),
+        };
+        let Error::Database(sqlx::Error::Database(db)) = &err else {
+            panic!("expected a lock timeout, got {err:?}");
+        };
+        assert_eq!(db.code().as_deref(), Some("55P03"), "{db}");
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+        assert!(!err.is_transient() && !err.is_deterministic());
+        let inbox = |key: &'static str| {
+            let pool = ledger.pool().clone();
+            async move {
+                sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM inbox WHERE source_id = $1")
+                    .bind(key)
+                    .fetch_one(&pool)
+                    .await
+            }
+        };
+        assert_eq!(inbox("ns/free").await?, 0, "nothing written");
+
+        // Without the bound the same ingest waits for the holder, then finds its row.
+        let plain = tokio::spawn({
+            let ledger = ledger.clone();
+            async move { ledger.ingest(&[rejected("free"), rejected("held")]).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!plain.is_finished(), "a plain ingest waits for the lock");
+        holder.0.commit().await?;
+        let outcomes = plain.await.map_err(|e| Error::Corrupt(e.to_string()))??;
+        assert_eq!(outcomes.len(), 2);
+        assert!(outcomes[1].inbox_hit, "the held event was the holder's");
+        assert_eq!(inbox("ns/free").await?, 1);
         Ok(())
     }
 }

@@ -13,6 +13,7 @@
 //! the new owner re-reads it and it dedupes in the inbox. A lane that panics stops the
 //! member (nothing commits past a batch it never stored).
 
+mod group;
 mod lane;
 mod signature;
 
@@ -192,12 +193,15 @@ struct Shared {
     dlq_topic: String,
     producer: FutureProducer<crate::quiet::QuietContext>,
     stats: Arc<IngestStats>,
+    /// Where the lanes' batches are committed together ([`group`]).
+    group: group::Group,
 }
 
 /// A consumer-group member ingesting `opgate.proposals`.
 pub struct IngestWorker {
     consumer: Arc<StreamConsumer<IngestContext>>,
     shared: Arc<Shared>,
+    committer: group::Committer,
     max_messages: usize,
     max_wait: Duration,
 }
@@ -225,6 +229,8 @@ impl IngestWorker {
             consumer_config.create_with_context(IngestContext::default())?;
         let signers =
             Signers::from_registry(&registry, |n| std::env::var(n).ok()).map_err(Error::Config)?;
+        let max_messages = config.batch.max_messages.max(1);
+        let (group, committer) = group::group_commit(max_messages);
         Ok(Self {
             consumer: Arc::new(consumer),
             shared: Arc::new(Shared {
@@ -239,8 +245,10 @@ impl IngestWorker {
                 dlq_topic: config.topic(DLQ),
                 producer: crate::relay::idempotent_producer(config)?,
                 stats: Arc::new(IngestStats::default()),
+                group,
             }),
-            max_messages: config.batch.max_messages.max(1),
+            committer,
+            max_messages,
             max_wait: Duration::from_millis(config.batch.max_wait_ms),
         })
     }
@@ -271,6 +279,7 @@ impl IngestWorker {
     pub async fn run(self, cancel: CancellationToken) -> Result<()> {
         let topic = self.shared.proposals.clone();
         self.consumer.subscribe(&[&topic])?;
+        let committer = tokio::spawn(self.committer.run(self.shared.ledger.clone()));
         info!(topic = %topic, "ingest worker started");
         let mut lanes: HashMap<i32, lane::Lane> = HashMap::new();
         let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -348,6 +357,7 @@ impl IngestWorker {
         for lane in lanes.into_values() {
             let _ = lane.handle.await;
         }
+        committer.abort();
         if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
             debug!(error = %e, "final commit");
         }
@@ -455,9 +465,11 @@ impl Shared {
         }
         let mut delivered = vec![false; dead.len()];
         let mut backoff = crate::stall_backoff();
+        // The first try goes with the other partitions' waiting batches; a retry alone.
+        let mut group = Some(&self.group);
         loop {
             match self
-                .try_store(&records, &mut items, &dead, &mut delivered)
+                .try_store(&records, &mut items, &dead, &mut delivered, group.take())
                 .await
             {
                 Ok(()) => {
@@ -481,9 +493,10 @@ impl Shared {
     async fn try_store(
         &self,
         records: &[Record],
-        items: &mut [IngestItem],
+        items: &mut Vec<IngestItem>,
         dead: &[(&Record, DeadLetter)],
         delivered: &mut [bool],
+        group: Option<&group::Group>,
     ) -> Result<()> {
         for ((record, letter), done) in dead.iter().zip(delivered.iter_mut()) {
             if !*done {
@@ -492,7 +505,7 @@ impl Shared {
                 IngestStats::add(&self.stats.dead_lettered, 1);
             }
         }
-        let outcomes = self.ingest_isolating(records, items).await?;
+        let outcomes = self.ingest_isolating(records, items, group).await?;
         for outcome in outcomes {
             let counter = match (&outcome.decision, outcome.inbox_hit) {
                 (_, true) => &self.stats.deduplicated_inbox,
@@ -510,16 +523,18 @@ impl Shared {
         Ok(())
     }
 
-    /// Ingests a partition batch in one transaction; if the ledger refuses it for good
-    /// (a value it cannot hold: [`opgate_store::Error::is_deterministic`]), splits the
-    /// batch in halves, in order, until the refused records are alone, then dead-letters
-    /// each of them (reason `ledger_refused`) and answers it `rejected`. Any other error
-    /// (the ledger or the DLQ is down) is returned, and the caller retries the batch:
-    /// the halves already committed are then inbox hits.
+    /// Ingests a partition batch in one transaction (with `group`, together with other
+    /// partitions' batches: [`group`]); if the ledger refuses it for good (a value it
+    /// cannot hold: [`opgate_store::Error::is_deterministic`]), splits the batch in halves,
+    /// in order, until the refused records are alone, then dead-letters each of them
+    /// (reason `ledger_refused`) and answers it `rejected`. Any other error (the ledger or
+    /// the DLQ is down) is returned, and the caller retries the batch: the halves already
+    /// committed are then inbox hits.
     async fn ingest_isolating(
         &self,
         records: &[Record],
-        items: &mut [IngestItem],
+        items: &mut Vec<IngestItem>,
+        mut group: Option<&group::Group>,
     ) -> Result<Vec<IngestOutcome>> {
         let mut outcomes = Vec::with_capacity(items.len());
         // Ranges still to store, the next one last.
@@ -527,7 +542,21 @@ impl Shared {
         pending.push(0..items.len());
         while let Some(range) = pending.pop() {
             let started = Instant::now();
-            match self.ledger.ingest(&items[range.clone()]).await {
+            let result = match group.take() {
+                // The whole batch, first: its answer in the group, or its own error.
+                Some(group) => {
+                    let (back, answer) = group.ingest(std::mem::take(items)).await;
+                    *items = back;
+                    let Some(answer) = answer else {
+                        // Its group failed: the batch goes alone.
+                        pending.push(range);
+                        continue;
+                    };
+                    answer
+                }
+                None => self.ledger.ingest(&items[range.clone()]).await,
+            };
+            match result {
                 Ok(done) => {
                     debug!(
                         proposals = range.len(),

@@ -1,0 +1,222 @@
+//! Group commit of ingest across partitions: the lanes' batches that are ready while the
+//! ledger is busy with earlier ones go into it together, in one transaction.
+//!
+//! A lane hands its batch to [`Group::ingest`] and waits for its own outcomes. The
+//! committer takes the oldest batch waiting and, with it, every other batch already
+//! waiting, up to `max_messages` proposals, and ingests them in one transaction, with at
+//! most [`IN_FLIGHT`] groups in the ledger at once. Nothing waits for a group to fill: a
+//! batch that finds the ledger idle goes alone, at once; batches gather only while earlier
+//! groups are being committed, which is when one transaction instead of several pays
+//! (at a steady rate every partition's lane closes a small batch each `max_wait`).
+//!
+//! A failed group is each batch's own to settle: every lane of a group of several gets
+//! no answer ([`Group::ingest`] returns `None`) and ingests its batch alone, the lane's
+//! usual path (retried while the ledger is down, a refused record split out), so a
+//! refusal or a stall stays its partition's. A group of several batches waits at most
+//! [`LOCK_WAIT`] for a lock another transaction holds, so one batch held up by a lock
+//! holds up the others only that long. A panic in the ledger call drops the group's
+//! answers, and the lanes waiting for them panic in turn: the member stops, as it did when
+//! a lane's own ledger call panicked.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use opgate_core::IngestItem;
+use opgate_store::{IngestOutcome, Ledger, SharedLedger};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tracing::debug;
+
+/// Groups in the ledger at once: while one commits, the next gathers, and two
+/// transactions keep both of a small server's cores busy.
+pub(super) const IN_FLIGHT: usize = 2;
+
+/// The longest a group of several batches waits for a lock.
+pub(super) const LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// A batch's own answer: its outcomes, or the error its ingest alone ended with.
+pub(super) type Answer = opgate_store::Result<Vec<IngestOutcome>>;
+
+/// One lane's batch, and where its answer goes (with the batch, handed back).
+struct Request {
+    items: Vec<IngestItem>,
+    reply: oneshot::Sender<(Vec<IngestItem>, Option<Answer>)>,
+}
+
+/// The lanes' side: hands batches to the committer.
+#[derive(Clone)]
+pub(super) struct Group {
+    tx: mpsc::UnboundedSender<Request>,
+}
+
+/// The committer's side, started by [`Committer::run`] on the worker's runtime.
+pub(super) struct Committer {
+    rx: mpsc::UnboundedReceiver<Request>,
+    max_messages: usize,
+}
+
+/// A group commit for batches of at most `max_messages` proposals in all.
+pub(super) fn group_commit(max_messages: usize) -> (Group, Committer) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (Group { tx }, Committer { rx, max_messages })
+}
+
+impl Group {
+    /// Ingests `items` with whatever other batches are waiting. Returns the items and the
+    /// batch's answer; `None` when it went in a group of several that failed: then ingest
+    /// it alone. Panics when the group ended without an answer (its ledger call panicked)
+    /// or the committer is gone.
+    pub(super) async fn ingest(&self, items: Vec<IngestItem>) -> (Vec<IngestItem>, Option<Answer>) {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send(Request { items, reply }).is_err() {
+            panic!("the ingest group commit has stopped");
+        }
+        match answer.await {
+            Ok(answer) => answer,
+            Err(_) => panic!("an ingest group ended without an answer: its ledger call panicked"),
+        }
+    }
+}
+
+impl Committer {
+    /// Commits groups until every [`Group`] handle is dropped.
+    pub(super) async fn run(mut self, ledger: SharedLedger) {
+        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+        let mut next = None;
+        loop {
+            let first = match next.take() {
+                Some(request) => request,
+                None => match self.rx.recv().await {
+                    Some(request) => request,
+                    None => return,
+                },
+            };
+            // While both groups are in the ledger, the next one gathers.
+            let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                return;
+            };
+            let mut size = first.items.len();
+            let mut group = vec![first];
+            while let Ok(request) = self.rx.try_recv() {
+                if size + request.items.len() > self.max_messages {
+                    next = Some(request);
+                    break;
+                }
+                size += request.items.len();
+                group.push(request);
+            }
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                commit(ledger.as_ref(), group).await;
+                drop(permit);
+            });
+        }
+    }
+}
+
+/// Ingests a group in one transaction and answers each of its batches.
+async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
+    let batches = group.len();
+    let mut lengths = Vec::with_capacity(batches);
+    let mut replies = Vec::with_capacity(batches);
+    let mut items = Vec::with_capacity(group.iter().map(|r| r.items.len()).sum());
+    for request in group {
+        lengths.push(request.items.len());
+        replies.push(request.reply);
+        items.extend(request.items);
+    }
+    let started = Instant::now();
+    let result = if batches == 1 {
+        ledger.ingest(&items).await
+    } else {
+        ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await
+    };
+    debug!(
+        batches,
+        proposals = items.len(),
+        ms = started.elapsed().as_secs_f64() * 1000.0,
+        ok = result.is_ok(),
+        "ingest group"
+    );
+    let answers = split_answers(result, &lengths);
+    // Hand each batch back with its answer, last batch first (split_off from the end).
+    for ((reply, length), answer) in replies.into_iter().zip(lengths).zip(answers).rev() {
+        let own = items.split_off(items.len() - length);
+        // A lane stopped meanwhile (its partition revoked) no longer listens.
+        let _ = reply.send((own, answer));
+    }
+}
+
+/// Each batch's answer from the group's result, in order: its own outcomes; for a group of
+/// one, its own error too; for a failed group of several (or outcomes that do not match
+/// the proposals one for one), `None`: ingest alone.
+fn split_answers(result: Answer, lengths: &[usize]) -> Vec<Option<Answer>> {
+    let total: usize = lengths.iter().sum();
+    match result {
+        Ok(outcomes) if outcomes.len() == total => {
+            let mut outcomes = outcomes.into_iter();
+            lengths
+                .iter()
+                .map(|&n| Some(Ok(outcomes.by_ref().take(n).collect())))
+                .collect()
+        }
+        Err(e) if lengths.len() == 1 => vec![Some(Err(e))],
+        _ => lengths.iter().map(|_| None).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opgate_store::IngestDecision;
+
+    fn outcome(event_id: &str) -> IngestOutcome {
+        IngestOutcome {
+            event_id: event_id.into(),
+            decision: IngestDecision::Accepted,
+            inbox_hit: false,
+            operation: None,
+        }
+    }
+
+    fn ids(answer: &Option<Answer>) -> Vec<String> {
+        match answer {
+            Some(Ok(outcomes)) => outcomes.iter().map(|o| o.event_id.clone()).collect(),
+            Some(Err(e)) => vec![format!("error: {e}")],
+            None => vec!["alone".into()],
+        }
+    }
+
+    #[test]
+    fn each_batch_gets_its_own_outcomes_in_order() {
+        let result = Ok(["a1", "a2", "b1", "c1", "c2", "c3"].map(outcome).to_vec());
+        let answers = split_answers(result, &[2, 1, 3]);
+        assert_eq!(
+            answers.iter().map(ids).collect::<Vec<_>>(),
+            [vec!["a1", "a2"], vec!["b1"], vec!["c1", "c2", "c3"]]
+        );
+    }
+
+    #[test]
+    fn a_failed_group_of_several_sends_every_batch_alone() {
+        let failed = || Err(opgate_store::Error::Corrupt("down".into()));
+        assert_eq!(
+            split_answers(failed(), &[2, 1])
+                .iter()
+                .map(ids)
+                .collect::<Vec<_>>(),
+            [vec!["alone"], vec!["alone"]]
+        );
+        // A batch that went alone gets its own error, to retry or split as it would.
+        let alone = split_answers(failed(), &[3]);
+        assert!(matches!(alone.as_slice(), [Some(Err(_))]));
+        // Outcomes that do not match the proposals one for one are not handed out.
+        let short = Ok(["a1", "b1"].map(outcome).to_vec());
+        assert_eq!(
+            split_answers(short, &[2, 1])
+                .iter()
+                .map(ids)
+                .collect::<Vec<_>>(),
+            [vec!["alone"], vec!["alone"]]
+        );
+    }
+}
