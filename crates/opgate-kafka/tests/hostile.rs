@@ -184,11 +184,15 @@ impl sqlx::error::DatabaseError for Refused {
 /// A ledger that refuses, like PostgreSQL refuses a NUL, every batch holding a proposal
 /// whose `args.note` is `refuse-me` — a value opgate's own checks let through — and,
 /// while `stall` is set, times out (a transient error) on every batch holding a proposal
-/// for an entity whose id starts with `stuck`. It notes the partitions of every ingest
-/// call (before its answer) and takes `slow` over each.
+/// for an entity whose id starts with `stuck`; while `lock` is set, a batch holding a
+/// proposal for an entity whose id starts with `locked` waits as if for a row lock: a
+/// plain ingest until `lock` is cleared, a bounded one for its bound, then fails as
+/// PostgreSQL's `lock_timeout` does (SQLSTATE 55P03). It notes the partitions of every
+/// ingest call (before its answer) and takes `slow` over each.
 struct Refusing {
     inner: SharedLedger,
     stall: Arc<std::sync::atomic::AtomicBool>,
+    lock: Arc<std::sync::atomic::AtomicBool>,
     slow: Duration,
     calls: Arc<std::sync::Mutex<Vec<Vec<i32>>>>,
 }
@@ -198,9 +202,17 @@ impl Refusing {
         Self {
             inner,
             stall: Arc::default(),
+            lock: Arc::default(),
             slow: Duration::ZERO,
             calls: Arc::default(),
         }
+    }
+
+    fn locked(&self, batch: &[IngestItem]) -> bool {
+        self.lock.load(std::sync::atomic::Ordering::SeqCst)
+            && batch.iter().any(|item| {
+                matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("locked"))
+            })
     }
 }
 
@@ -229,6 +241,9 @@ impl Ledger for Refusing {
     async fn ingest(&self, batch: &[IngestItem]) -> opgate_store::Result<Vec<IngestOutcome>> {
         self.calls.lock().expect("calls").push(partitions_of(batch));
         tokio::time::sleep(self.slow).await;
+        while self.locked(batch) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let poisoned = batch.iter().any(|item| {
             matches!(item, IngestItem::Accepted(env) if env.canonical_args["note"] == "refuse-me")
         });
@@ -249,6 +264,20 @@ impl Ledger for Refusing {
         );
         assert!(!bug, "a bug in the ledger adapter");
         self.inner.ingest(batch).await
+    }
+    async fn ingest_waiting_at_most(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: Duration,
+    ) -> opgate_store::Result<Vec<IngestOutcome>> {
+        if self.locked(batch) {
+            self.calls.lock().expect("calls").push(partitions_of(batch));
+            tokio::time::sleep(lock_wait).await;
+            return Err(opgate_store::Error::Database(sqlx::Error::Database(
+                Box::new(Refused("55P03")),
+            )));
+        }
+        self.ingest(batch).await
     }
     async fn claim(
         &self,
@@ -460,6 +489,54 @@ async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_parti
     let h = headers_of(&letters[0]);
     assert_eq!(h["opgate.dlq.reason"], "ledger_refused");
     assert_eq!(h["opgate.dlq.event_id"], "bad-0");
+}
+
+/// A batch waiting for a lock keeps neither its group nor the group commit's places in the
+/// ledger (shared by every partition) for longer than the group's lock bound: partitions
+/// 0 and 1 wait for a lock that is not released, each in a group of its own, the two
+/// groups in flight; once the bound runs out they wait alone, and partitions 2 and 3,
+/// produced after them, are ingested and committed meanwhile. When the lock goes, 0 and 1
+/// catch up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_waiting_for_a_lock_holds_up_only_its_partition() {
+    let mut env = env(4).await;
+    let ledger = Arc::new(Refusing::new(env.ledger.clone()));
+    ledger.lock.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (calls, lock) = (ledger.calls.clone(), ledger.lock.clone());
+    env.ledger = ledger;
+    // Each in a group of its own: 0's is in the ledger before 1's is produced.
+    let worker = start_worker(&env, Limits::default(), 100);
+    let stats = worker.stats.clone();
+    for p in 0..2 {
+        produce_to(&env, &[(p, good(&format!("l{p}"), &format!("locked-{p}")))]).await;
+        eventually("the partition waits for the lock", WAIT, || async {
+            calls.lock().expect("calls").concat().contains(&p)
+        })
+        .await;
+    }
+    let others: Vec<(i32, Vec<u8>)> = (2..4)
+        .flat_map(|p| (0..3).map(move |i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}")))))
+        .collect();
+    produce_to(&env, &others).await;
+    eventually(
+        "partitions 2 and 3 committed while 0 and 1 wait",
+        WAIT,
+        || async { committed(&env, 4)[2..] == [3, 3] },
+    )
+    .await;
+    assert_eq!(IngestStats::get(&stats.accepted), 6);
+    assert!(
+        committed(&env, 4)[..2].iter().all(|&at| at < 1),
+        "0 and 1 wait"
+    );
+    lock.store(false, std::sync::atomic::Ordering::SeqCst);
+    eventually("partitions 0 and 1 catch up", WAIT, || async {
+        committed(&env, 4) == vec![1, 1, 3, 3]
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(IngestStats::get(&stats.accepted), 8);
+    assert_eq!(IngestStats::get(&stats.deduplicated_inbox), 0);
 }
 
 /// Each partition is its own pipeline: while partition 0 cannot store its batch (the

@@ -51,9 +51,9 @@ pub trait Ledger: Send + Sync + 'static {
 
     /// As [`Self::ingest`], except that waiting longer than `lock_wait` for a lock another
     /// transaction holds ends the ingest with an error (neither transient nor
-    /// deterministic) and nothing written. For a transaction that carries several
-    /// partitions' batches: one batch waiting on a lock must not hold up the others for
-    /// long (they are then ingested each on its own). The default ingests as usual
+    /// deterministic) and nothing written. For the ingest group commit, whose transaction
+    /// carries several partitions' batches: one batch waiting on a lock must not hold up
+    /// the others for long (they are then ingested each on its own). The default ingests as usual
     /// (SQLite's single writer makes others wait for the write lock, a busy error that is
     /// retried; PostgreSQL sets `lock_timeout`).
     async fn ingest_waiting_at_most(

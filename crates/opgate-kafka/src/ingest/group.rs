@@ -9,14 +9,15 @@
 //! groups are being committed, which is when one transaction instead of several pays
 //! (at a steady rate every partition's lane closes a small batch each `max_wait`).
 //!
-//! A failed group is each batch's own to settle: every lane of a group of several gets
-//! no answer ([`Group::ingest`] returns `None`) and ingests its batch alone, the lane's
+//! A failed group is each batch's own to settle: every lane of the group gets no answer
+//! ([`Group::ingest`] returns `None`) and ingests its batch alone, at once, on the lane's
 //! usual path (retried while the ledger is down, a refused record split out), so a
-//! refusal or a stall stays its partition's. A group of several batches waits at most
-//! [`LOCK_WAIT`] for a lock another transaction holds, so one batch held up by a lock
-//! holds up the others only that long. A panic in the ledger call drops the group's
-//! answers, and the lanes waiting for them panic in turn: the member stops, as it did when
-//! a lane's own ledger call panicked.
+//! refusal or a stall stays its partition's. A group waits at most [`LOCK_WAIT`] for a
+//! lock another transaction holds: one batch held up by a lock holds up the rest of its
+//! group only that long, and no batch keeps one of the [`IN_FLIGHT`] places, which every
+//! partition shares, for longer (alone, outside the group, it waits as long as it must).
+//! A panic in the ledger call drops the group's answers, and the lanes waiting for them
+//! panic in turn: the member stops, as it did when a lane's own ledger call panicked.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,11 +31,11 @@ use tracing::debug;
 /// transactions keep both of a small server's cores busy.
 pub(super) const IN_FLIGHT: usize = 2;
 
-/// The longest a group of several batches waits for a lock.
+/// The longest a group waits for a lock.
 pub(super) const LOCK_WAIT: Duration = Duration::from_secs(1);
 
-/// A batch's own answer: its outcomes, or the error its ingest alone ended with.
-pub(super) type Answer = opgate_store::Result<Vec<IngestOutcome>>;
+/// A batch's outcomes, one per proposal, in order.
+pub(super) type Answer = Vec<IngestOutcome>;
 
 /// One lane's batch, and where its answer goes (with the batch, handed back).
 struct Request {
@@ -62,9 +63,9 @@ pub(super) fn group_commit(max_messages: usize) -> (Group, Committer) {
 
 impl Group {
     /// Ingests `items` with whatever other batches are waiting. Returns the items and the
-    /// batch's answer; `None` when it went in a group of several that failed: then ingest
-    /// it alone. Panics when the group ended without an answer (its ledger call panicked)
-    /// or the committer is gone.
+    /// batch's outcomes; `None` when its group failed: then ingest it alone. Panics when
+    /// the group ended without an answer (its ledger call panicked) or the committer is
+    /// gone.
     pub(super) async fn ingest(&self, items: Vec<IngestItem>) -> (Vec<IngestItem>, Option<Answer>) {
         let (reply, answer) = oneshot::channel();
         if self.tx.send(Request { items, reply }).is_err() {
@@ -125,11 +126,7 @@ async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
         items.extend(request.items);
     }
     let started = Instant::now();
-    let result = if batches == 1 {
-        ledger.ingest(&items).await
-    } else {
-        ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await
-    };
+    let result = ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await;
     debug!(
         batches,
         proposals = items.len(),
@@ -146,20 +143,22 @@ async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
     }
 }
 
-/// Each batch's answer from the group's result, in order: its own outcomes; for a group of
-/// one, its own error too; for a failed group of several (or outcomes that do not match
-/// the proposals one for one), `None`: ingest alone.
-fn split_answers(result: Answer, lengths: &[usize]) -> Vec<Option<Answer>> {
+/// Each batch's answer from the group's result, in order: its own outcomes; `None` for
+/// every batch of a failed group (or of outcomes that do not match the proposals one for
+/// one): ingest alone.
+fn split_answers(
+    result: opgate_store::Result<Vec<IngestOutcome>>,
+    lengths: &[usize],
+) -> Vec<Option<Answer>> {
     let total: usize = lengths.iter().sum();
     match result {
         Ok(outcomes) if outcomes.len() == total => {
             let mut outcomes = outcomes.into_iter();
             lengths
                 .iter()
-                .map(|&n| Some(Ok(outcomes.by_ref().take(n).collect())))
+                .map(|&n| Some(outcomes.by_ref().take(n).collect()))
                 .collect()
         }
-        Err(e) if lengths.len() == 1 => vec![Some(Err(e))],
         _ => lengths.iter().map(|_| None).collect(),
     }
 }
@@ -180,8 +179,7 @@ mod tests {
 
     fn ids(answer: &Option<Answer>) -> Vec<String> {
         match answer {
-            Some(Ok(outcomes)) => outcomes.iter().map(|o| o.event_id.clone()).collect(),
-            Some(Err(e)) => vec![format!("error: {e}")],
+            Some(outcomes) => outcomes.iter().map(|o| o.event_id.clone()).collect(),
             None => vec!["alone".into()],
         }
     }
@@ -197,7 +195,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_group_of_several_sends_every_batch_alone() {
+    fn a_failed_group_sends_every_batch_alone() {
         let failed = || Err(opgate_store::Error::Corrupt("down".into()));
         assert_eq!(
             split_answers(failed(), &[2, 1])
@@ -206,9 +204,14 @@ mod tests {
                 .collect::<Vec<_>>(),
             [vec!["alone"], vec!["alone"]]
         );
-        // A batch that went alone gets its own error, to retry or split as it would.
-        let alone = split_answers(failed(), &[3]);
-        assert!(matches!(alone.as_slice(), [Some(Err(_))]));
+        // A group of one too: alone, outside the group, it may wait as long as it must.
+        assert_eq!(
+            split_answers(failed(), &[3])
+                .iter()
+                .map(ids)
+                .collect::<Vec<_>>(),
+            [vec!["alone"]]
+        );
         // Outcomes that do not match the proposals one for one are not handed out.
         let short = Ok(["a1", "b1"].map(outcome).to_vec());
         assert_eq!(

@@ -543,16 +543,16 @@ impl Shared {
         while let Some(range) = pending.pop() {
             let started = Instant::now();
             let result = match group.take() {
-                // The whole batch, first: its answer in the group, or its own error.
+                // The whole batch, first, in a group.
                 Some(group) => {
                     let (back, answer) = group.ingest(std::mem::take(items)).await;
                     *items = back;
-                    let Some(answer) = answer else {
+                    let Some(outcomes) = answer else {
                         // Its group failed: the batch goes alone.
                         pending.push(range);
                         continue;
                     };
-                    answer
+                    Ok(outcomes)
                 }
                 None => self.ledger.ingest(&items[range.clone()]).await,
             };
