@@ -73,6 +73,7 @@ conformance!(
     compensating_while_another_write_is_in_flight_is_a_conflict,
     an_event_id_reused_with_other_content_is_a_conflict,
     event_ids_are_per_namespace,
+    one_batch_decides_each_proposal_as_one_at_a_time_would,
     results_of_one_operation_are_leased_in_order,
     a_relay_round_holds_its_rows_until_it_ends_or_its_lease_runs_out,
     the_schemas_state_lists_are_the_state_machines,
@@ -1721,6 +1722,87 @@ async fn an_event_id_reused_with_other_content_is_a_conflict(h: Harness) {
         }
     );
     assert_eq!(ops_count(&h).await, 2);
+}
+
+/// The ingest group commit puts several partitions' batches into one transaction, so an
+/// event id or a key reused across partitions meets itself inside one batch: each proposal
+/// is decided there as it is when the proposals come one batch at a time — a redelivery,
+/// the same id with other content, the same key under another id, a redelivery after the
+/// conflict. (One namespace takes them one by one, another all in one batch.)
+async fn one_batch_decides_each_proposal_as_one_at_a_time_would(h: Harness) {
+    let l = h.ledger.as_ref();
+    let sequence = |namespace: &str| {
+        let pay = |event_id: &str, order: &str, amount: &str| {
+            item_with(
+                event_id,
+                "pay",
+                ("order", order),
+                json!({"amount": amount, "currency": "usd"}),
+                json!({"namespace": namespace}),
+            )
+        };
+        vec![
+            pay("e1", "o1", "5"),
+            pay("e1", "o1", "5"),
+            pay("e1", "o1", "6"),
+            pay("e2", "o1", "5.00"),
+            pay("e3", "o2", "7"),
+            pay("e1", "o1", "5"),
+            pay("e3", "o2", "7.5"),
+        ]
+    };
+    let summary = |outcomes: &[opgate_store::IngestOutcome]| {
+        outcomes
+            .iter()
+            .map(|o| {
+                (
+                    o.event_id.clone(),
+                    o.decision.clone(),
+                    o.inbox_hit,
+                    o.operation.as_ref().map(|op| op.event_id.clone()),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut one_by_one = Vec::new();
+    for item in sequence("one-by-one") {
+        one_by_one.extend(l.ingest(&[item]).await.expect("ingest"));
+    }
+    let together = l.ingest(&sequence("together")).await.expect("ingest");
+    assert_eq!(summary(&together), summary(&one_by_one));
+    assert_eq!(
+        summary(&one_by_one)
+            .iter()
+            .map(|(_, decision, hit, _)| (decision.as_str(), *hit))
+            .collect::<Vec<_>>(),
+        [
+            ("accepted", false),
+            ("accepted", true),
+            ("rejected", false),
+            ("deduplicated", false),
+            ("accepted", false),
+            ("accepted", true),
+            ("rejected", false),
+        ]
+    );
+    for namespace in ["one-by-one", "together"] {
+        let operations = h
+            .count(&format!(
+                "SELECT COUNT(*) FROM operations WHERE namespace = '{namespace}'"
+            ))
+            .await;
+        assert_eq!(operations, 2, "{namespace}: e1's and e3's");
+        let accepted = h
+            .count(&format!(
+                "SELECT COUNT(*) FROM inbox WHERE source_id LIKE '{namespace}/%' \
+                 AND decision = 'accepted'"
+            ))
+            .await;
+        assert_eq!(
+            accepted, 2,
+            "{namespace}: e1 and e3 keep their first decision"
+        );
+    }
 }
 
 /// Two namespaces' `evt-1` are two events (the inbox is keyed by namespace and event id).
