@@ -2,9 +2,10 @@
 //!
 //! One consumer loop per worker reads records and hands each to its partition's lane
 //! ([`lane`]): every partition batches, dead-letters its poison records (acknowledged by
-//! the broker first), ingests its batch in one ledger transaction and only then stores
-//! and commits its offset — on its own, so one partition waiting for the ledger or the
-//! DLQ never stops another. Until a batch is stored it is retried in place: the partition
+//! the broker first), ingests its batch and only then stores and commits its offset — on
+//! its own, so one partition waiting for the ledger or the DLQ never stops another. A
+//! batch's first try shares a ledger transaction with the other partitions' batches
+//! waiting at the same time ([`group`]); if that group fails, each batch goes alone. Until a batch is stored it is retried in place: the partition
 //! never moves past a record that is not stored. A batch the ledger refuses for good is
 //! split until the refused records are alone; those are dead-lettered and answered.
 //!
