@@ -421,7 +421,7 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
 
 /// Group commit (ingest/group.rs): batches that wait while the ledger is busy go into
 /// one transaction together, and a refusal in such a group stays its partition's. The
-/// ledger takes 1.5 s over each call, so partitions 1-3's first batches (produced before
+/// ledger takes 2.5 s over each call, so partitions 1-3's first batches (produced before
 /// the worker starts) fill both transactions in flight and leave one waiting; partition
 /// 0's batch, produced once the first call is under way, joins the waiting one. That
 /// group is refused (partition 0 holds a value the ledger cannot take): each batch is
@@ -431,7 +431,7 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
 async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_partitions() {
     let mut env = env(4).await;
     let ledger = Arc::new(Refusing {
-        slow: Duration::from_millis(1500),
+        slow: Duration::from_millis(2500),
         ..Refusing::new(env.ledger.clone())
     });
     let calls = ledger.calls.clone();
