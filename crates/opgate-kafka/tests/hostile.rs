@@ -188,12 +188,14 @@ impl sqlx::error::DatabaseError for Refused {
 /// proposal for an entity whose id starts with `locked` waits as if for a row lock: a
 /// plain ingest until `lock` is cleared, a bounded one for its bound, then fails as
 /// PostgreSQL's `lock_timeout` does (SQLSTATE 55P03). It notes the partitions of every
-/// ingest call (before its answer) and takes `slow` over each.
+/// ingest call (before its answer) and takes `slow` over each that holds a record of one
+/// of the `slow_partitions`.
 struct Refusing {
     inner: SharedLedger,
     stall: Arc<std::sync::atomic::AtomicBool>,
     lock: Arc<std::sync::atomic::AtomicBool>,
     slow: Duration,
+    slow_partitions: Vec<i32>,
     calls: Arc<std::sync::Mutex<Vec<Vec<i32>>>>,
 }
 
@@ -204,6 +206,7 @@ impl Refusing {
             stall: Arc::default(),
             lock: Arc::default(),
             slow: Duration::ZERO,
+            slow_partitions: Vec::new(),
             calls: Arc::default(),
         }
     }
@@ -240,7 +243,12 @@ fn partitions_of(batch: &[IngestItem]) -> Vec<i32> {
 impl Ledger for Refusing {
     async fn ingest(&self, batch: &[IngestItem]) -> opgate_store::Result<Vec<IngestOutcome>> {
         self.calls.lock().expect("calls").push(partitions_of(batch));
-        tokio::time::sleep(self.slow).await;
+        if partitions_of(batch)
+            .iter()
+            .any(|p| self.slow_partitions.contains(p))
+        {
+            tokio::time::sleep(self.slow).await;
+        }
         while self.locked(batch) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -421,44 +429,46 @@ async fn a_value_the_ledger_refuses_is_isolated_dead_lettered_and_answered() {
 
 /// Group commit (ingest/group.rs): batches that wait while the ledger is busy go into
 /// one transaction together, and a refusal in such a group stays its partition's. The
-/// ledger takes 2.5 s over each call, so partitions 1-3's first batches (produced before
-/// the worker starts) fill both transactions in flight and leave one waiting; partition
-/// 0's batch, produced once the first call is under way, joins the waiting one. That
-/// group is refused (partition 0 holds a value the ledger cannot take): each batch is
-/// then ingested alone, partition 0's refused record is split out and dead-lettered, and
-/// every other record of both partitions is accepted and committed.
+/// ledger takes 4 s over partitions 1's and 2's batches, produced one after the other, so
+/// they fill both transactions in flight; partitions 3's and 0's batches, produced next,
+/// wait together and go into one group. That group is refused (partition 0 holds a value
+/// the ledger cannot take): each batch is then ingested alone, partition 0's refused record
+/// is split out and dead-lettered, and every other record is accepted and committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_partitions() {
     let mut env = env(4).await;
     let ledger = Arc::new(Refusing {
-        slow: Duration::from_millis(2500),
+        slow: Duration::from_secs(4),
+        slow_partitions: vec![1, 2],
         ..Refusing::new(env.ledger.clone())
     });
     let calls = ledger.calls.clone();
     env.ledger = ledger;
-    let early: Vec<(i32, Vec<u8>)> = (1..4)
-        .flat_map(|p| (0..3).map(move |i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}")))))
-        .collect();
-    produce_to(&env, &early).await;
+    let batch = |p: i32| -> Vec<(i32, Vec<u8>)> {
+        (0..3)
+            .map(|i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}"))))
+            .collect()
+    };
     let worker = start_worker(&env, Limits::default(), 100);
     let stats = worker.stats.clone();
-    eventually("the first ledger call is under way", WAIT, || async {
-        !calls.lock().expect("calls").is_empty()
-    })
-    .await;
+    for p in [1, 2] {
+        produce_to(&env, &batch(p)).await;
+        eventually("the partition's batch is in the ledger", WAIT, || async {
+            calls.lock().expect("calls").concat().contains(&p)
+        })
+        .await;
+    }
     let refused = json!({"event_id": "bad-0", "namespace": "acme", "tool": "email",
         "entity": {"type": "user", "id": "u0"}, "args": {"to": "a@example.com", "note": "refuse-me"}})
     .to_string()
     .into_bytes();
-    produce_to(
-        &env,
-        &[
-            (0, good("p0-0", "o0-0")),
-            (0, refused),
-            (0, good("p0-2", "o0-2")),
-        ],
-    )
-    .await;
+    let mut late = batch(3);
+    late.extend([
+        (0, good("p0-0", "o0-0")),
+        (0, refused),
+        (0, good("p0-2", "o0-2")),
+    ]);
+    produce_to(&env, &late).await;
     eventually("every record answered", WAIT, || async {
         IngestStats::get(&stats.accepted) + IngestStats::get(&stats.rejected) >= 12
     })
