@@ -52,6 +52,13 @@ fn good(event_id: &str, order: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Three good records for partition `p`, each for an order of its own.
+fn three_good(p: i32) -> Vec<(i32, Vec<u8>)> {
+    (0..3)
+        .map(|i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}"))))
+        .collect()
+}
+
 /// The group's committed offset of each partition.
 fn committed(env: &Env, partitions: i32) -> Vec<i64> {
     let mut config = env.config.client_config().expect("config");
@@ -444,15 +451,10 @@ async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_parti
     });
     let calls = ledger.calls.clone();
     env.ledger = ledger;
-    let batch = |p: i32| -> Vec<(i32, Vec<u8>)> {
-        (0..3)
-            .map(|i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}"))))
-            .collect()
-    };
     let worker = start_worker(&env, Limits::default(), 100);
     let stats = worker.stats.clone();
     for p in [1, 2] {
-        produce_to(&env, &batch(p)).await;
+        produce_to(&env, &three_good(p)).await;
         eventually("the partition's batch is in the ledger", WAIT, || async {
             calls.lock().expect("calls").concat().contains(&p)
         })
@@ -462,7 +464,7 @@ async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_parti
         "entity": {"type": "user", "id": "u0"}, "args": {"to": "a@example.com", "note": "refuse-me"}})
     .to_string()
     .into_bytes();
-    let mut late = batch(3);
+    let mut late = three_good(3);
     late.extend([
         (0, good("p0-0", "o0-0")),
         (0, refused),
@@ -524,9 +526,8 @@ async fn a_batch_waiting_for_a_lock_holds_up_only_its_partition() {
         })
         .await;
     }
-    let others: Vec<(i32, Vec<u8>)> = (2..4)
-        .flat_map(|p| (0..3).map(move |i| (p, good(&format!("p{p}-{i}"), &format!("o{p}-{i}")))))
-        .collect();
+    let mut others = three_good(2);
+    others.extend(three_good(3));
     produce_to(&env, &others).await;
     eventually(
         "partitions 2 and 3 committed while 0 and 1 wait",
