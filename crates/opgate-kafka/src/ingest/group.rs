@@ -131,7 +131,7 @@ async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
         batches,
         proposals = items.len(),
         ms = started.elapsed().as_secs_f64() * 1000.0,
-        ok = result.is_ok(),
+        error = result.as_ref().err().map(tracing::field::display),
         "ingest group"
     );
     let answers = split_answers(result, &lengths);
