@@ -1,7 +1,7 @@
 //! The dispatcher: claim, call with the key, classify, record.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,10 +37,10 @@ pub struct DispatcherConfig {
     pub concurrency: usize,
     /// Most calls in flight per tool.
     pub per_tool: usize,
-    /// Per tool, how many more operations a claim may take than there are free permits:
-    /// they wait (leased, at most this many) for a permit the calls in flight give back.
-    /// A claim round then carries a full wave instead of whatever was free when it
-    /// started, which is what bounded throughput (0: claim only what can be sent now).
+    /// Per tool, at most how many more operations a claim may take than there are free
+    /// permits: they wait (leased) for a permit the calls in flight give back. A claim
+    /// takes `per_tool` ahead, or more, up to this, when the tool's calls are shorter
+    /// than a claim's round trip ([`claim_ahead`]); 0 claims only what can be sent now.
     pub prefetch: usize,
     /// Most call outcomes recorded in one ledger transaction (group commit).
     pub record_batch: usize,
@@ -60,16 +60,67 @@ impl Default for DispatcherConfig {
         Self {
             owner: "dispatcher".into(),
             lease: Duration::from_secs(60),
-            batch: 16,
-            concurrency: 64,
+            batch: 64,
+            concurrency: 256,
             per_tool: 16,
-            prefetch: 16,
+            prefetch: Self::prefetch_for(16),
             record_batch: 128,
             idle: Duration::from_millis(50),
             acknowledged_poll: Duration::from_secs(2),
             seed: None,
             crash_after_claim: false,
         }
+    }
+}
+
+impl DispatcherConfig {
+    /// The default `prefetch` for a `per_tool`: four waves, room for a fast tool's calls
+    /// to keep finishing while the next claim is under way ([`claim_ahead`]).
+    pub fn prefetch_for(per_tool: usize) -> usize {
+        per_tool.saturating_mul(4)
+    }
+}
+
+/// How many operations of a tool a claim takes ahead of its free permits: the calls its
+/// `per_tool` permits finish during one claim's round trip, twice over (claims vary), so
+/// the permits are still busy when the next claim lands; at least one wave (`per_tool`),
+/// at most `most` (`prefetch`). Until both durations have been measured (zero), one wave.
+///
+/// With a tool slower than a claim this is one wave, which is all it can use: claiming
+/// more would only hold entities and leases that another dispatcher could be calling.
+/// Measured (`bench e2e`, a 2 ms provider, claims of ~7 ms): with one wave ahead each
+/// claim round found the permits idle and the dispatcher topped out near 2,000
+/// operations/s; BENCHMARKS.md.
+pub fn claim_ahead(per_tool: usize, most: usize, claim: Duration, call: Duration) -> usize {
+    if claim.is_zero() || call.is_zero() {
+        return per_tool.min(most);
+    }
+    let finished = (per_tool as f64 * claim.as_secs_f64() / call.as_secs_f64()).ceil();
+    // `as` saturates; the product stays far below usize::MAX for any sane config.
+    let wanted = (2.0 * finished) as usize;
+    wanted.max(per_tool).min(most)
+}
+
+/// A moving average of durations, in microseconds, that tasks update without a lock
+/// (a lost update between two racing tasks only delays the average by one sample).
+#[derive(Default)]
+struct Average(AtomicU64);
+
+impl Average {
+    fn get(&self) -> Duration {
+        Duration::from_micros(self.0.load(Ordering::Relaxed))
+    }
+
+    fn add(&self, sample: Duration) {
+        let sample = u64::try_from(sample.as_micros()).unwrap_or(u64::MAX);
+        let old = self.0.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            sample
+        } else {
+            // One eighth of the way to the new sample.
+            (old.saturating_mul(7).saturating_add(sample)) / 8
+        };
+        self.0.store(new.max(1), Ordering::Relaxed);
     }
 }
 
@@ -97,6 +148,8 @@ struct Inner {
     per_tool: HashMap<String, ToolSlots>,
     /// Notified when a per-tool permit is given back (the claim loop may claim again).
     tool_freed: Arc<Notify>,
+    /// How long claims take, round trip (for [`claim_ahead`]).
+    claim_time: Average,
     rng: Mutex<StdRng>,
 }
 
@@ -105,13 +158,22 @@ struct Inner {
 struct ToolSlots {
     permits: Arc<Semaphore>,
     waiting: Arc<AtomicUsize>,
+    /// How long its calls take (for [`claim_ahead`]).
+    call_time: Average,
 }
 
 impl ToolSlots {
-    /// How many operations of this tool a claim may take now.
-    fn room(&self, prefetch: usize) -> usize {
+    /// How many operations of this tool a claim may take now: its free permits and its
+    /// free places ahead of them.
+    fn room(&self, config: &DispatcherConfig, claim_time: Duration) -> usize {
+        let ahead = claim_ahead(
+            config.per_tool.max(1),
+            config.prefetch,
+            claim_time,
+            self.call_time.get(),
+        );
         let waiting = self.waiting.load(Ordering::Acquire);
-        self.permits.available_permits() + prefetch.saturating_sub(waiting)
+        self.permits.available_permits() + ahead.saturating_sub(waiting)
     }
 }
 
@@ -219,6 +281,7 @@ impl Dispatcher {
                     ToolSlots {
                         permits: Arc::new(Semaphore::new(config.per_tool.max(1))),
                         waiting: Arc::new(AtomicUsize::new(0)),
+                        call_time: Average::default(),
                     },
                 )
             })
@@ -237,6 +300,7 @@ impl Dispatcher {
                 config,
                 per_tool,
                 tool_freed: Arc::new(Notify::new()),
+                claim_time: Average::default(),
                 rng: Mutex::new(rng),
             }),
         })
@@ -271,15 +335,16 @@ impl Dispatcher {
     }
 
     /// Claims up to `limit` operations, of each tool at most its free permits plus its
-    /// free prefetch places, and takes the free permits with the claims (the others wait
-    /// in [`Self::dispatch`]).
+    /// free places ahead ([`claim_ahead`]), and takes the free permits with the claims
+    /// (the others wait in [`Self::dispatch`]).
     async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Leased>> {
         let c = &self.inner.config;
+        let claim_time = self.inner.claim_time.get();
         let tool_room = self
             .inner
             .per_tool
             .iter()
-            .map(|(tool, slots)| (tool.clone(), slots.room(c.prefetch)))
+            .map(|(tool, slots)| (tool.clone(), slots.room(c, claim_time)))
             .collect();
         let asked = Instant::now();
         let claims = self
@@ -292,6 +357,11 @@ impl Dispatcher {
                 tool_room,
             })
             .await?;
+        if !claims.is_empty() {
+            // Only claims that found work: an empty one is a short read, not the round
+            // trip the calls in flight must outlast.
+            self.inner.claim_time.add(asked.elapsed());
+        }
         tracing::debug!(
             limit,
             claimed = claims.len(),
@@ -401,6 +471,9 @@ impl Dispatcher {
         // outcome's commit need not hold the tool's permit (the overall permit bounds it).
         if leased.tool_permit.take().is_some() {
             inner.tool_freed.notify_one();
+        }
+        if let Some(slots) = inner.per_tool.get(&op.tool) {
+            slots.call_time.add(report.latency);
         }
         let recording = self.decide(tool, claim, leased.now(), &report);
         let transition = recording.event;
@@ -556,4 +629,84 @@ fn log_attempt(
         dedupe_decision = "miss",
         "attempt"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_claim_takes_one_wave_ahead_until_it_has_measured_claims_and_calls() {
+        assert_eq!(claim_ahead(16, 64, Duration::ZERO, 2 * MS), 16);
+        assert_eq!(claim_ahead(16, 64, 7 * MS, Duration::ZERO), 16);
+        // Never more than `prefetch`: 0 claims only what can be sent at once.
+        assert_eq!(claim_ahead(16, 0, Duration::ZERO, Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn a_tool_faster_than_a_claim_gets_the_calls_one_claim_lasts_twice_over() {
+        // 16 permits, 2 ms calls, 7 ms claims: 56 calls finish during one claim.
+        assert_eq!(claim_ahead(16, 1_000, 7 * MS, 2 * MS), 112);
+        assert_eq!(
+            claim_ahead(16, 64, 7 * MS, 2 * MS),
+            64,
+            "capped by prefetch"
+        );
+        assert_eq!(
+            claim_ahead(16, 10, 7 * MS, 2 * MS),
+            10,
+            "a smaller prefetch too"
+        );
+    }
+
+    #[test]
+    fn a_tool_slower_than_a_claim_gets_one_wave() {
+        assert_eq!(claim_ahead(16, 64, 7 * MS, 300 * MS), 16);
+        assert_eq!(claim_ahead(16, 64, 7 * MS, 14 * MS), 16);
+        // Just faster than a claim: a little more than a wave.
+        assert_eq!(claim_ahead(16, 64, 7 * MS, 5 * MS), 46);
+    }
+
+    #[test]
+    fn the_average_starts_at_its_first_sample_and_moves_an_eighth_each_time() {
+        let a = Average::default();
+        assert_eq!(a.get(), Duration::ZERO);
+        a.add(8 * MS);
+        assert_eq!(a.get(), 8 * MS);
+        a.add(16 * MS);
+        assert_eq!(a.get(), 9 * MS);
+        // A zero sample does not make it read as "not measured".
+        let b = Average::default();
+        b.add(Duration::ZERO);
+        assert!(!b.get().is_zero());
+    }
+
+    #[test]
+    fn a_tool_room_counts_free_permits_and_free_places_ahead() {
+        let config = DispatcherConfig {
+            per_tool: 4,
+            prefetch: 16,
+            ..DispatcherConfig::default()
+        };
+        let slots = ToolSlots {
+            permits: Arc::new(Semaphore::new(4)),
+            waiting: Arc::new(AtomicUsize::new(0)),
+            call_time: Average::default(),
+        };
+        // Nothing measured: one wave ahead.
+        assert_eq!(slots.room(&config, Duration::ZERO), 4 + 4);
+        // 1 ms calls, 4 ms claims: 16 finish per claim, twice over, capped at 16.
+        slots.call_time.add(MS);
+        assert_eq!(slots.room(&config, 4 * MS), 4 + 16);
+        // Three already waiting and two permits taken.
+        let _w: Vec<Waiting> = (0..3).map(|_| Waiting::new(&slots.waiting)).collect();
+        let _p = slots
+            .permits
+            .clone()
+            .try_acquire_many_owned(2)
+            .expect("free");
+        assert_eq!(slots.room(&config, 4 * MS), 2 + 13);
+    }
 }

@@ -211,6 +211,8 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let offered = opts
         .rate
         .map_or(String::new(), |r| format!(", offered {r:.0} records/s"));
+    let defaults = opgate_worker::DispatcherConfig::default();
+    let per_tool = opts.per_tool.unwrap_or(defaults.per_tool);
     let settings = format!(
         "{} ops per order{broker_name}{offered}{history}{}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}",
         opts.ops_per_entity,
@@ -219,13 +221,12 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         } else {
             ""
         },
-        opts.record_batch.map_or("128".into(), |n| n.to_string()),
-        opts.per_tool.map_or("16".into(), |n| n.to_string()),
+        opts.record_batch.unwrap_or(defaults.record_batch),
+        per_tool,
         opts.prefetch
-            .or(opts.per_tool)
-            .map_or("16".into(), |n| n.to_string()),
-        opts.concurrency.map_or("64".into(), |n| n.to_string()),
-        opts.batch.map_or("16".into(), |n| n.to_string()),
+            .unwrap_or(opgate_worker::DispatcherConfig::prefetch_for(per_tool)),
+        opts.concurrency.unwrap_or(defaults.concurrency),
+        opts.batch.unwrap_or(defaults.batch),
     );
     let pg = match backend {
         "PostgreSQL" => Some(sqlx::PgPool::connect(&url).await?),

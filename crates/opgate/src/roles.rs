@@ -205,7 +205,9 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                     per_tool: w.per_tool.unwrap_or(defaults.per_tool),
                     prefetch: w
                         .prefetch
-                        .unwrap_or(w.per_tool.unwrap_or(defaults.per_tool)),
+                        .unwrap_or(opgate_worker::DispatcherConfig::prefetch_for(
+                            w.per_tool.unwrap_or(defaults.per_tool),
+                        )),
                     record_batch: w.record_batch.unwrap_or(defaults.record_batch),
                     // Test crash point (see crates/opgate/tests/crash.rs).
                     crash_after_claim: std::env::var("OPGATE_CRASH_AT").as_deref()
