@@ -40,14 +40,16 @@ pub struct LimitsConfig {
 pub struct WorkerConfig {
     /// Lease per claim in milliseconds (default 60000; must exceed twice every tool timeout).
     pub lease_ms: Option<u64>,
-    /// Operations claimed per round (default 16).
+    /// Operations claimed per round (default 64).
     pub batch: Option<usize>,
-    /// Calls in flight overall (default 64).
+    /// Calls in flight overall, until recorded (default 256).
     pub concurrency: Option<usize>,
     /// Calls in flight per tool (default 16).
     pub per_tool: Option<usize>,
-    /// Per tool, operations a claim may take beyond the free `per_tool` permits; they wait
-    /// for one (default: `per_tool`, one wave ahead; 0 claims only what can be sent now).
+    /// Per tool, at most how many operations a claim may take beyond the free `per_tool`
+    /// permits; they wait for one. A claim takes one wave (`per_tool`) ahead, more when
+    /// the tool's calls are shorter than a claim (`opgate_worker::claim_ahead`); default
+    /// 4 x `per_tool`, 0 claims only what can be sent now.
     pub prefetch: Option<usize>,
     /// Most call outcomes recorded in one ledger transaction (default 128; 1 records each
     /// outcome in its own transaction).
