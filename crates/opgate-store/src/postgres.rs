@@ -223,7 +223,7 @@ impl PgTx {
     async fn pick_results(&mut self, limit: usize) -> Result<Vec<OutboxRow>> {
         let rows = sqlx::query(
             "SELECT id, operation_id, seq, status, kafka_key, payload::text AS payload, \
-             payload->>'traceparent' AS traceparent, \
+             traceparent, \
              COALESCE(claimed_until >= now(), false) AS leased \
              FROM result_outbox WHERE published_at IS NULL ORDER BY id LIMIT $1",
         )
@@ -915,15 +915,17 @@ impl Tx for PgTx {
             return Ok(());
         }
         sqlx::query(
-            "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at) \
-             SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], \
-             $6::timestamptz[])",
+            "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, traceparent, \
+             created_at) \
+             SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], \
+             $5::text[]::json[], $6::text[], $7::timestamptz[])",
         )
         .bind(column(rows, |r| r.operation_id))
         .bind(column(rows, |r| r.seq))
         .bind(column(rows, |r| r.status.as_str()))
         .bind(column(rows, |r| r.kafka_key.as_str()))
-        .bind(column(rows, |r| Json(&r.payload)))
+        .bind(column(rows, |r| r.payload.as_str()))
+        .bind(column(rows, |r| r.traceparent.as_deref()))
         .bind(column(rows, |r| r.at))
         .execute(&mut *self.0)
         .await?;

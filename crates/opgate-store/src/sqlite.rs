@@ -543,7 +543,7 @@ impl Tx for SqliteTx {
         .bind(row.seq)
         .bind(&row.status)
         .bind(&row.kafka_key)
-        .bind(json_text(&row.payload))
+        .bind(&row.payload)
         .bind(ts(row.at))
         .execute(&mut *self.0)
         .await?;

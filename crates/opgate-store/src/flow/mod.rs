@@ -67,7 +67,8 @@ pub(super) fn result_row(
         seq: op.result_seq,
         status: message.status.clone(),
         kafka_key: format!("{}:{}", op.entity.kind, op.entity.id),
-        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        payload: serde_json::to_string(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        traceparent: message.traceparent,
         at,
     })
 }
@@ -80,7 +81,8 @@ pub(super) fn rejection_row(rejected: &RejectedProposal, at: OffsetDateTime) -> 
         seq: 0,
         status: message.status.clone(),
         kafka_key: rejected.kafka_key(),
-        payload: serde_json::to_value(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        payload: serde_json::to_string(&message).map_err(|e| Error::Corrupt(e.to_string()))?,
+        traceparent: message.traceparent,
         at,
     })
 }

@@ -31,7 +31,10 @@ pub(crate) struct NewOutbox {
     pub seq: i64,
     pub status: String,
     pub kafka_key: String,
-    pub payload: serde_json::Value,
+    /// The message as the JSON text the relay publishes (serialized once, here).
+    pub payload: String,
+    /// The message's W3C trace context, which the relay sends as a header.
+    pub traceparent: Option<String>,
     pub at: OffsetDateTime,
 }
 
