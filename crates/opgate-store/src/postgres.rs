@@ -1694,4 +1694,92 @@ mod tests {
         assert_eq!(inbox("ns/free").await?, 1);
         Ok(())
     }
+
+    /// Migration 0008 on a ledger that has results waiting: the unpublished rows keep
+    /// their trace context (moved into its own column) and their text, and the relay
+    /// takes them as it took them before the upgrade.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn results_waiting_at_the_upgrade_to_json_payloads_keep_their_trace_context() -> Result<()>
+    {
+        let url = std::env::var("OPGATE_TEST_DATABASE_URL")
+            .map_err(|_| Error::Corrupt("set OPGATE_TEST_DATABASE_URL".into()))?;
+        let name = format!("t_{}", Uuid::now_v7().simple());
+        let admin = PgPool::connect(&url).await?;
+        sqlx::query(&format!("CREATE SCHEMA {name}"))
+            .execute(&admin)
+            .await?;
+        let _schema = Schema {
+            admin,
+            name: name.clone(),
+        };
+        let options: PgConnectOptions = url.parse()?;
+        let ledger =
+            PgLedger::connect_with(options.options([("search_path", name.as_str())])).await?;
+
+        // The schema as migration 0007 left it: the same files, up to 0007.
+        let dir = std::env::temp_dir().join(format!("opgate-migrations-{name}"));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::Corrupt(e.to_string()))?;
+        let source =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations/postgres");
+        for entry in std::fs::read_dir(&source).map_err(|e| Error::Corrupt(e.to_string()))? {
+            let path = entry.map_err(|e| Error::Corrupt(e.to_string()))?.path();
+            let file = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .unwrap_or_default();
+            if file.as_bytes().first().is_some_and(u8::is_ascii_digit) && file < "0008" {
+                std::fs::copy(&path, dir.join(file)).map_err(|e| Error::Corrupt(e.to_string()))?;
+            }
+        }
+        let before = sqlx::migrate::Migrator::new(dir.as_path())
+            .await
+            .map_err(|e| Error::Corrupt(e.to_string()))?;
+        assert_eq!(before.iter().map(|m| m.version).max(), Some(7));
+        before.run(ledger.pool()).await?;
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let traced = r#"{"status": "rejected", "seq": 0, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#;
+        let plain = r#"{"status": "rejected", "seq": 0}"#;
+        for (payload, published) in [(traced, false), (plain, false), (traced, true)] {
+            sqlx::query(
+                "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at, published_at) \
+                 VALUES (NULL, 0, 'rejected', 'order:o1', $1::jsonb, now(), CASE WHEN $2 THEN now() END)",
+            )
+            .bind(payload)
+            .bind(published)
+            .execute(ledger.pool())
+            .await?;
+        }
+
+        ledger.migrate().await?;
+        let kind: String = sqlx::query_scalar(
+            "SELECT data_type FROM information_schema.columns \
+             WHERE table_schema = current_schema() AND table_name = 'result_outbox' AND column_name = 'payload'",
+        )
+        .fetch_one(ledger.pool())
+        .await?;
+        assert_eq!(kind, "json");
+        let rows = ledger
+            .claim_results(&ClaimRequest {
+                owner: "relay".into(),
+                lease: Duration::from_secs(30),
+                limit: 10,
+                tool_room: Default::default(),
+            })
+            .await?;
+        assert_eq!(rows.len(), 2, "the two unpublished rows: {rows:?}");
+        assert_eq!(
+            rows[0].traceparent.as_deref(),
+            Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+        );
+        assert_eq!(rows[1].traceparent, None);
+        for row in &rows {
+            let message: Value =
+                serde_json::from_str(&row.payload).map_err(|e| Error::Corrupt(e.to_string()))?;
+            assert_eq!(message["status"], "rejected");
+            assert_eq!(row.traceparent.as_deref(), message["traceparent"].as_str());
+        }
+        Ok(())
+    }
 }
