@@ -39,8 +39,10 @@ pub struct DispatcherConfig {
     pub per_tool: usize,
     /// Per tool, at most how many more operations a claim may take than there are free
     /// permits: they wait (leased) for a permit the calls in flight give back. A claim
-    /// takes `per_tool` ahead, or more, up to this, when the tool's calls are shorter
-    /// than a claim's round trip ([`claim_ahead`]); 0 claims only what can be sent now.
+    /// takes `per_tool` ahead, or more, up to this, when the calls the tool's permits
+    /// finish during one claim, twice over, are more than that ([`claim_ahead`]), and
+    /// never more waves than the lease leaves time to send should every call run to its
+    /// timeout ([`waves_in_lease`]); 0 claims only what can be sent now.
     pub prefetch: usize,
     /// Most call outcomes recorded in one ledger transaction (group commit).
     pub record_batch: usize,
@@ -62,8 +64,8 @@ impl Default for DispatcherConfig {
             lease: Duration::from_secs(60),
             batch: 64,
             concurrency: 256,
-            per_tool: 16,
-            prefetch: Self::prefetch_for(16),
+            per_tool: DEFAULT_PER_TOOL,
+            prefetch: Self::prefetch_for(DEFAULT_PER_TOOL),
             record_batch: 128,
             idle: Duration::from_millis(50),
             acknowledged_poll: Duration::from_secs(2),
@@ -72,6 +74,9 @@ impl Default for DispatcherConfig {
         }
     }
 }
+
+/// The default `per_tool`.
+const DEFAULT_PER_TOOL: usize = 16;
 
 impl DispatcherConfig {
     /// The default `prefetch` for a `per_tool`: four waves, room for a fast tool's calls
@@ -99,6 +104,26 @@ pub fn claim_ahead(per_tool: usize, most: usize, claim: Duration, call: Duration
     // `as` saturates; the product stays far below usize::MAX for any sane config.
     let wanted = (2.0 * finished) as usize;
     wanted.max(per_tool).min(most)
+}
+
+/// How many waves of `per_tool` calls may wait behind the calls in flight, leased, and
+/// still each be sent with a whole timeout of lease left (what [`policy::may_send`] asks)
+/// should every call run to its timeout: the wave in flight and the waiting ones take a
+/// timeout each, and the last needs one more to be sent. At least one wave (the
+/// dispatcher refuses a lease shorter than twice a timeout); unbounded without a timeout.
+///
+/// A tool that turns slow keeps its measured call time short for a while, so
+/// [`claim_ahead`] alone could leave several waves waiting behind hung calls: here a
+/// lease of 10 s over 2 s timeouts holds four waves, and a fifth would reach its permit
+/// with too little lease left, be given back unsent and use up an attempt.
+pub fn waves_in_lease(lease: Duration, timeout: Duration) -> usize {
+    if timeout.is_zero() {
+        return usize::MAX;
+    }
+    let fit = lease.as_nanos() / timeout.as_nanos();
+    usize::try_from(fit.saturating_sub(1))
+        .unwrap_or(usize::MAX)
+        .max(1)
 }
 
 /// A moving average of durations, in microseconds, that tasks update without a lock
@@ -158,6 +183,9 @@ struct Inner {
 struct ToolSlots {
     permits: Arc<Semaphore>,
     waiting: Arc<AtomicUsize>,
+    /// At most this many waiting: `prefetch`, and no more waves than the lease has time
+    /// for ([`waves_in_lease`]).
+    most_ahead: usize,
     /// How long its calls take (for [`claim_ahead`]).
     call_time: Average,
 }
@@ -168,12 +196,14 @@ impl ToolSlots {
     fn room(&self, config: &DispatcherConfig, claim_time: Duration) -> usize {
         let ahead = claim_ahead(
             config.per_tool.max(1),
-            config.prefetch,
+            self.most_ahead,
             claim_time,
             self.call_time.get(),
         );
         let waiting = self.waiting.load(Ordering::Acquire);
-        self.permits.available_permits() + ahead.saturating_sub(waiting)
+        self.permits
+            .available_permits()
+            .saturating_add(ahead.saturating_sub(waiting))
     }
 }
 
@@ -281,6 +311,12 @@ impl Dispatcher {
                     ToolSlots {
                         permits: Arc::new(Semaphore::new(config.per_tool.max(1))),
                         waiting: Arc::new(AtomicUsize::new(0)),
+                        most_ahead: t.adapter.as_ref().map_or(config.prefetch, |a| {
+                            let waves = waves_in_lease(config.lease, a.timeout);
+                            config
+                                .prefetch
+                                .min(config.per_tool.max(1).saturating_mul(waves))
+                        }),
                         call_time: Average::default(),
                     },
                 )
@@ -670,6 +706,65 @@ mod tests {
     }
 
     #[test]
+    fn no_more_waves_wait_than_the_lease_can_send_after_calls_that_run_to_their_timeout() {
+        let s = Duration::from_secs(1);
+        // 10 s over 2 s: the wave in flight, four waiting, the fourth sent at 8 s with 2 s left.
+        assert_eq!(waves_in_lease(10 * s, 2 * s), 4);
+        assert_eq!(waves_in_lease(60 * s, 2 * s), 29);
+        // Just over twice a timeout (the least the dispatcher accepts): one wave.
+        assert_eq!(waves_in_lease(4100 * MS, 2 * s), 1);
+        assert_eq!(waves_in_lease(s, 2 * s), 1, "never less than one");
+        assert_eq!(waves_in_lease(s, Duration::ZERO), usize::MAX);
+    }
+
+    #[test]
+    fn a_tool_whose_timeouts_fill_the_lease_gets_fewer_places_ahead() {
+        let adapter = |timeout_ms: u64| {
+            format!(
+                "[[tools]]\nname = \"t\"\nside_effect_class = \"irreversible\"\nentity = \"order\"\n\
+                 key = \"k:{{entity}}\"\n[tools.adapter]\nkind = \"http\"\nurl = \"http://127.0.0.1:9\"\n\
+                 timeout_ms = {timeout_ms}\n"
+            )
+        };
+        let room_of = |timeout_ms: u64, lease: Duration| -> usize {
+            let registry = Registry::from_toml(&adapter(timeout_ms)).expect("registry");
+            let config = DispatcherConfig {
+                lease,
+                ..DispatcherConfig::default()
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                // Never queried: the dispatcher is built, not run.
+                let file = std::env::temp_dir().join(format!("opgate-{}.db", uuid::Uuid::now_v7()));
+                let ledger: SharedLedger = Arc::new(
+                    opgate_store::SqliteLedger::open(&file.to_string_lossy())
+                        .await
+                        .expect("ledger"),
+                );
+                let d = Dispatcher::new(ledger, Arc::new(registry), Adapters::default(), config)
+                    .expect("dispatcher");
+                let slots = d.inner.per_tool.get("t").expect("slots");
+                // Calls far shorter than claims: as many ahead as allowed.
+                slots.call_time.add(MS);
+                let room = slots.room(&d.inner.config, 100 * MS);
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+                }
+                room
+            })
+        };
+        // Default lease (60 s) over 2 s timeouts: prefetch (64) bounds it.
+        assert_eq!(room_of(2_000, Duration::from_secs(60)), 16 + 64);
+        // 10 s over 2 s: four waves of 16 fit, the same 64.
+        assert_eq!(room_of(2_000, Duration::from_secs(10)), 16 + 64);
+        // 10 s over 4 s: one wave.
+        assert_eq!(room_of(4_000, Duration::from_secs(10)), 16 + 16);
+    }
+
+    #[test]
     fn the_average_starts_at_its_first_sample_and_moves_an_eighth_each_time() {
         let a = Average::default();
         assert_eq!(a.get(), Duration::ZERO);
@@ -693,6 +788,7 @@ mod tests {
         let slots = ToolSlots {
             permits: Arc::new(Semaphore::new(4)),
             waiting: Arc::new(AtomicUsize::new(0)),
+            most_ahead: config.prefetch,
             call_time: Average::default(),
         };
         // Nothing measured: one wave ahead.

@@ -23,7 +23,7 @@ pub mod trace;
 use std::time::Duration;
 
 pub use adapters::Adapters;
-pub use dispatcher::{Dispatcher, DispatcherConfig, Leased, claim_ahead};
+pub use dispatcher::{Dispatcher, DispatcherConfig, Leased, claim_ahead, waves_in_lease};
 pub use reconciler::{Reconciler, ReconcilerConfig};
 
 use time::OffsetDateTime;

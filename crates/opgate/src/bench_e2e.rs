@@ -69,7 +69,8 @@ pub struct E2eBench {
     /// `[worker] per_tool`: calls in flight per tool.
     #[arg(long)]
     pub per_tool: Option<usize>,
-    /// `[worker] prefetch`: operations per tool claimed ahead of a free permit.
+    /// `[worker] prefetch`: at most this many operations per tool claimed ahead of a
+    /// free permit.
     #[arg(long)]
     pub prefetch: Option<usize>,
     /// `[worker] concurrency`: calls in flight overall.

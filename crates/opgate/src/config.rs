@@ -48,8 +48,10 @@ pub struct WorkerConfig {
     pub per_tool: Option<usize>,
     /// Per tool, at most how many operations a claim may take beyond the free `per_tool`
     /// permits; they wait for one. A claim takes one wave (`per_tool`) ahead, more when
-    /// the tool's calls are shorter than a claim (`opgate_worker::claim_ahead`); default
-    /// 4 x `per_tool`, 0 claims only what can be sent now.
+    /// the tool's calls are shorter than about twice a claim
+    /// (`opgate_worker::claim_ahead`), never more waves than the lease can send
+    /// (`opgate_worker::waves_in_lease`); default 4 x `per_tool`, 0 claims only what can
+    /// be sent now.
     pub prefetch: Option<usize>,
     /// Most call outcomes recorded in one ledger transaction (default 128; 1 records each
     /// outcome in its own transaction).
