@@ -18,6 +18,7 @@
 //! Modules: [`auth`] (tokens, principals, what each role may do), [`error`] (the error
 //! body), [`views`] (the answers as types, shared with the CLI), `routes` (the handlers)
 //! and `health`.
+#![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod error;

@@ -8,6 +8,7 @@
 //! [`state::transition`] is the only place that says which state follows.
 //!
 //! Nothing here reads a clock, a random source or the network: callers pass them in.
+#![forbid(unsafe_code)]
 
 pub mod canonical;
 pub mod compensation;

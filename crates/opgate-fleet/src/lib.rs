@@ -10,6 +10,7 @@
 //! - [`client`]: publishing records and waiting for results, for the benchmarks.
 //!
 //! This crate and opgate-kafka are the only ones that speak Kafka.
+#![forbid(unsafe_code)]
 
 pub mod baseline;
 pub mod client;

@@ -17,6 +17,7 @@
 //! The server is a client of opgate's admin API and keeps no state: over stdio it uses
 //! the token it was started with; over HTTP each request's own `Authorization: Bearer`
 //! token (an agent token binds the calls to its `agent_id` and namespaces).
+#![forbid(unsafe_code)]
 
 mod api;
 

@@ -8,6 +8,7 @@
 //! Names carry the `opgate_` prefix, counters end in `_total`, and no label ever holds
 //! an id (operation, entity, key or event): labels are tools, classes, states, reasons
 //! and outcomes, all from closed or configured sets.
+#![forbid(unsafe_code)]
 
 use std::sync::OnceLock;
 

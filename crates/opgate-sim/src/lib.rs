@@ -19,6 +19,7 @@
 //! `x-opgate-entity` header) are counted as overlaps, so a test can assert "each intended
 //! effect happened at most once" and "one entity's writes never overlapped" with
 //! `GET /effects`.
+#![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;

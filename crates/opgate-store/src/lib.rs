@@ -19,6 +19,7 @@
 //! The algorithm of each path is written once ([`flow`]) over a small per-backend
 //! statement set; the backends differ only in SQL dialect and column types. All times
 //! come from the database clock, read once per transaction.
+#![forbid(unsafe_code)]
 
 mod common;
 mod error;

@@ -5,6 +5,7 @@
 //! `OPGATE_TEST_DATABASE_URL` (a testcontainers PostgreSQL when the variable is unset and
 //! a Docker engine answers; otherwise the test fails naming the variable). The URL carries
 //! the schema (`options=-csearch_path=...`), so a child process given the URL uses it too.
+#![forbid(unsafe_code)]
 
 pub mod provider;
 

@@ -4,6 +4,7 @@
 //! [`opgate_core::outcome::AdapterOutcome`] — with an exhaustive mapping from transport
 //! errors and HTTP statuses; nothing downstream parses error strings. It also looks an
 //! operation up by its idempotency key, for the reconciler.
+#![forbid(unsafe_code)]
 
 pub mod http;
 

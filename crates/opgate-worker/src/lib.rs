@@ -12,6 +12,7 @@
 //! Both log one structured line per operation attempt (DESIGN.md section 7) under the
 //! `opgate::attempt` target, and make each provider call and lookup an OpenTelemetry
 //! span in the operation's trace ([`trace`]).
+#![forbid(unsafe_code)]
 
 mod adapters;
 mod claim_loop;

@@ -6,6 +6,7 @@
 //! ledger (opgate-store); the dispatcher and reconciler (opgate-worker) call the tool
 //! through its adapter (opgate-tools); the relay (opgate-kafka) publishes every state
 //! change to `opgate.results`. `dev` wires all of it to embedded services, `demo` drives it.
+#![forbid(unsafe_code)]
 
 mod bench;
 mod bench_e2e;
