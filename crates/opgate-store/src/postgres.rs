@@ -1571,9 +1571,18 @@ mod tests {
         Ok(())
     }
 
-    /// A ledger in a new schema of `OPGATE_TEST_DATABASE_URL`, which it drops when dropped.
+    /// A migrated ledger in a new schema of `OPGATE_TEST_DATABASE_URL`, which it drops
+    /// when dropped.
     #[cfg(feature = "integration")]
     async fn fresh_ledger() -> Result<(PgLedger, Schema)> {
+        let (ledger, schema) = empty_ledger().await?;
+        ledger.migrate().await?;
+        Ok((ledger, schema))
+    }
+
+    /// A ledger over a new, empty schema (not migrated), dropped with the [`Schema`].
+    #[cfg(feature = "integration")]
+    async fn empty_ledger() -> Result<(PgLedger, Schema)> {
         let url = std::env::var("OPGATE_TEST_DATABASE_URL").map_err(|_| {
             Error::Corrupt(
                 "set OPGATE_TEST_DATABASE_URL (e.g. postgres://postgres@127.0.0.1:5432/test)"
@@ -1585,11 +1594,12 @@ mod tests {
         sqlx::query(&format!("CREATE SCHEMA {name}"))
             .execute(&admin)
             .await?;
+        let schema = Schema { admin, name };
         let options: PgConnectOptions = url.parse()?;
         let ledger =
-            PgLedger::connect_with(options.options([("search_path", name.as_str())])).await?;
-        ledger.migrate().await?;
-        Ok((ledger, Schema { admin, name }))
+            PgLedger::connect_with(options.options([("search_path", schema.name.as_str())]))
+                .await?;
+        Ok((ledger, schema))
     }
 
     /// A test schema, dropped with its contents at the end of the test.
@@ -1702,23 +1712,10 @@ mod tests {
     #[tokio::test]
     async fn results_waiting_at_the_upgrade_to_json_payloads_keep_their_trace_context() -> Result<()>
     {
-        let url = std::env::var("OPGATE_TEST_DATABASE_URL")
-            .map_err(|_| Error::Corrupt("set OPGATE_TEST_DATABASE_URL".into()))?;
-        let name = format!("t_{}", Uuid::now_v7().simple());
-        let admin = PgPool::connect(&url).await?;
-        sqlx::query(&format!("CREATE SCHEMA {name}"))
-            .execute(&admin)
-            .await?;
-        let _schema = Schema {
-            admin,
-            name: name.clone(),
-        };
-        let options: PgConnectOptions = url.parse()?;
-        let ledger =
-            PgLedger::connect_with(options.options([("search_path", name.as_str())])).await?;
+        let (ledger, schema) = empty_ledger().await?;
 
         // The schema as migration 0007 left it: the same files, up to 0007.
-        let dir = std::env::temp_dir().join(format!("opgate-migrations-{name}"));
+        let dir = std::env::temp_dir().join(format!("opgate-migrations-{}", schema.name));
         std::fs::create_dir_all(&dir).map_err(|e| Error::Corrupt(e.to_string()))?;
         let source =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations/postgres");
