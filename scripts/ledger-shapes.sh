@@ -101,6 +101,22 @@ DROP INDEX shape_pending.result_outbox_id_idx, shape_pending.result_outbox_publi
 CREATE TABLE shape_pending.result_pending (id bigint PRIMARY KEY);
 SQL
 
+# The two transitions each operation goes through, the same in both shapes: locked and
+# updated by the claim, locked and updated by the outcome (table: where the state is).
+transitions() {
+  local table=$1
+  cat <<SQL
+  PERFORM 1 FROM $table WHERE operation_id = ANY(ids) FOR UPDATE;
+  UPDATE $table SET status = \$q\$dispatched\$q\$, attempt_count = 1, lease_owner = \$q\$w\$q\$,
+    lease_expires_at = now() + interval \$q\$1 min\$q\$, lease_epoch = lease_epoch + 1, updated_at = now()
+    WHERE operation_id = ANY(ids);
+  PERFORM 1 FROM $table WHERE operation_id = ANY(ids) FOR UPDATE;
+  UPDATE $table SET status = \$q\$completed_success\$q\$, lease_owner = NULL,
+    lease_expires_at = NULL, result = \$q\${"ok": true}\$q\$, result_seq = 2, updated_at = now()
+    WHERE operation_id = ANY(ids);
+SQL
+}
+
 wide_sql='DO $$ DECLARE ids uuid[]; b int; BEGIN
 FOR b IN 0..(SELECT max(n) / 64 FROM shape_src.ops) LOOP
   SELECT array_agg(operation_id) INTO ids FROM shape_src.ops s WHERE s.n > b * 64 AND s.n <= b * 64 + 64;
@@ -111,14 +127,7 @@ FOR b IN 0..(SELECT max(n) / 64 FROM shape_src.ops) LOOP
     external_request_id, external_object_id, result, error, compensates, traceparent, result_seq,
     created_at, updated_at, ambiguous_since
     FROM shape_src.ops WHERE operation_id = ANY(ids);
-  PERFORM 1 FROM shape_wide.operations WHERE operation_id = ANY(ids) FOR UPDATE;
-  UPDATE shape_wide.operations SET status = $q$dispatched$q$, attempt_count = 1, lease_owner = $q$w$q$,
-    lease_expires_at = now() + interval $q$1 min$q$, lease_epoch = lease_epoch + 1, updated_at = now()
-    WHERE operation_id = ANY(ids);
-  PERFORM 1 FROM shape_wide.operations WHERE operation_id = ANY(ids) FOR UPDATE;
-  UPDATE shape_wide.operations SET status = $q$completed_success$q$, lease_owner = NULL,
-    lease_expires_at = NULL, result = $q${"ok": true}$q$, result_seq = 2, updated_at = now()
-    WHERE operation_id = ANY(ids);
+'"$(transitions shape_wide.operations)"'
 END LOOP; END $$;'
 
 split_sql='DO $$ DECLARE ids uuid[]; b int; BEGIN
@@ -134,14 +143,7 @@ FOR b IN 0..(SELECT max(n) / 64 FROM shape_src.ops) LOOP
     lease_expires_at, lease_epoch, external_request_id, external_object_id, result, error,
     result_seq, updated_at, ambiguous_since
     FROM shape_src.ops WHERE operation_id = ANY(ids);
-  PERFORM 1 FROM shape_split.operation_state WHERE operation_id = ANY(ids) FOR UPDATE;
-  UPDATE shape_split.operation_state SET status = $q$dispatched$q$, attempt_count = 1, lease_owner = $q$w$q$,
-    lease_expires_at = now() + interval $q$1 min$q$, lease_epoch = lease_epoch + 1, updated_at = now()
-    WHERE operation_id = ANY(ids);
-  PERFORM 1 FROM shape_split.operation_state WHERE operation_id = ANY(ids) FOR UPDATE;
-  UPDATE shape_split.operation_state SET status = $q$completed_success$q$, lease_owner = NULL,
-    lease_expires_at = NULL, result = $q${"ok": true}$q$, result_seq = 2, updated_at = now()
-    WHERE operation_id = ANY(ids);
+'"$(transitions shape_split.operation_state)"'
 END LOOP; END $$;'
 
 # A round per batch: insert 64 results, read the oldest unpublished 128 (the relay's
