@@ -257,7 +257,7 @@ impl PgTx {
         Ok(taken)
     }
 
-    /// Operations by id, with a trailing clause (ordering and locking).
+    /// Operations by id, with a trailing clause (ordering and [`LOCK_STATE`]).
     async fn select_operations(
         &mut self,
         ids: &[Uuid],
@@ -267,7 +267,7 @@ impl PgTx {
             return Ok(HashMap::new());
         }
         let rows = sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = ANY($1) {clause}"
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} WHERE operation_id = ANY($1) {clause}"
         ))
         .bind(ids)
         .fetch_all(&mut *self.0)
@@ -277,10 +277,11 @@ impl PgTx {
             .collect()
     }
 
-    /// One operation by id, with a locking clause (`""`, `FOR UPDATE`, `FOR UPDATE SKIP LOCKED`).
+    /// One operation by id, with a locking clause (`""` or [`LOCK_STATE`], `SKIP LOCKED`
+    /// or not).
     async fn select_operation(&mut self, id: Uuid, locking: &str) -> Result<Option<Operation>> {
         sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = $1 {locking}"
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} WHERE operation_id = $1 {locking}"
         ))
         .bind(id)
         .fetch_optional(&mut *self.0)
@@ -290,6 +291,16 @@ impl PgTx {
         .transpose()
     }
 }
+
+/// The two tables of an operation (migration 0009): `operation_identity`, written once
+/// at ingest, and `operation_state`, which every transition updates (a narrow row whose
+/// updates rewrite only the indexes that name its state). The `operations` view joins
+/// them for readers; the flows read them directly, so that a lock takes the state row
+/// alone ([`LOCK_STATE`]): locking the identity row too would write a lock into it.
+const OP_TABLES: &str = "operation_identity JOIN operation_state USING (operation_id)";
+
+/// The locking clause of a read that is about to change an operation's state.
+const LOCK_STATE: &str = "FOR UPDATE OF operation_state";
 
 const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_components, args_fingerprint, \
     event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
@@ -413,15 +424,34 @@ fn unnest_sql<'c>(columns: impl Iterator<Item = &'c (&'c str, &'c str)>) -> Stri
 }
 
 /// Inserts operations ([`bind_op_identity`], then [`bind_op_state`]), each unless its
-/// (namespace, key) exists; returns the ids inserted.
+/// (namespace, key) exists, in one statement: the identity row, then the state row of
+/// each identity inserted. The state row's `exclusive_entity` (the key of the
+/// one-write-in-flight index) is the entity key of a write that is not a compensation,
+/// computed here from the identity row so that no caller can set it otherwise. Returns
+/// the ids inserted.
 static INSERT_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
-    let columns = || OP_IDENTITY.iter().chain(&OP_STATE);
-    let names: Vec<&str> = columns().map(|(name, _)| *name).collect();
+    let names = |columns: &[(&str, &str)]| -> Vec<String> {
+        columns.iter().map(|(name, _)| (*name).to_owned()).collect()
+    };
+    let identity = names(&OP_IDENTITY).join(", ");
+    let state = names(&OP_STATE);
+    let state_values: Vec<String> = state.iter().map(|name| format!("v.{name}")).collect();
+    let all = [names(&OP_IDENTITY), state.clone()].concat();
     format!(
-        "INSERT INTO operations ({}) SELECT * FROM {} \
-         ON CONFLICT (namespace, idempotency_key) DO NOTHING RETURNING operation_id",
-        names.join(", "),
-        unnest_sql(columns())
+        "WITH v AS (SELECT * FROM {} AS u({})), \
+         ins AS (INSERT INTO operation_identity ({identity}) SELECT {identity} FROM v \
+           ON CONFLICT (namespace, idempotency_key) DO NOTHING \
+           RETURNING operation_id, entity_key, side_effect_class, compensates) \
+         INSERT INTO operation_state (operation_id, exclusive_entity, {}) \
+         SELECT ins.operation_id, \
+           CASE WHEN ins.side_effect_class <> 'read' AND ins.compensates IS NULL \
+             THEN ins.entity_key END, {} \
+         FROM ins JOIN v ON v.operation_id = ins.operation_id \
+         RETURNING operation_id",
+        unnest_sql(OP_IDENTITY.iter().chain(&OP_STATE)),
+        all.join(", "),
+        state.join(", "),
+        state_values.join(", ")
     )
 });
 
@@ -435,7 +465,7 @@ static UPDATE_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
         .map(|(name, _)| format!("{name} = v.{name}"))
         .collect();
     format!(
-        "UPDATE operations AS o SET {} FROM {} AS v({}) WHERE o.operation_id = v.operation_id",
+        "UPDATE operation_state AS o SET {} FROM {} AS v({}) WHERE o.operation_id = v.operation_id",
         sets.join(", "),
         unnest_sql(columns()),
         names.join(", ")
@@ -572,11 +602,12 @@ impl Tx for PgTx {
     }
 
     async fn try_lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
-        self.select_operation(id, "FOR UPDATE SKIP LOCKED").await
+        self.select_operation(id, &format!("{LOCK_STATE} SKIP LOCKED"))
+            .await
     }
 
     async fn lock_operation(&mut self, id: Uuid) -> Result<Option<Operation>> {
-        self.select_operation(id, "FOR UPDATE").await
+        self.select_operation(id, LOCK_STATE).await
     }
 
     async fn lock_operation_by_key(
@@ -585,7 +616,7 @@ impl Tx for PgTx {
         key: &str,
     ) -> Result<Option<Operation>> {
         sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE namespace = $1 AND idempotency_key = $2 FOR UPDATE"
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} WHERE namespace = $1 AND idempotency_key = $2 {LOCK_STATE}"
         ))
         .bind(namespace)
         .bind(key)
@@ -606,12 +637,12 @@ impl Tx for PgTx {
 
     async fn lock_guarded(&mut self, p: &GuardProbe<'_>) -> Result<Option<Operation>> {
         sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations \
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} \
              WHERE entity_key = $1 AND tool = ANY($2) AND created_at >= $3 \
                AND ($4::text IS NULL OR args_fingerprint = $4) \
                AND NOT (namespace = $5 AND idempotency_key = $6) \
                AND status NOT IN ({ignores}) \
-             ORDER BY created_at LIMIT 1 FOR UPDATE",
+             ORDER BY created_at LIMIT 1 {LOCK_STATE}",
             ignores = *GUARD_IGNORES
         ))
         .bind(p.entity_key)
@@ -697,7 +728,7 @@ impl Tx for PgTx {
             return Ok(HashMap::new());
         }
         sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations WHERE operation_id = ANY($1)"
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} WHERE operation_id = ANY($1)"
         ))
         .bind(ids)
         .fetch_all(&mut *self.0)
@@ -720,9 +751,9 @@ impl Tx for PgTx {
         // rest (with rows the guards lock) end in a deadlock error, and the transaction is
         // re-run like any transient conflict.
         sqlx::query(&format!(
-            "SELECT {OP_COLUMNS} FROM operations \
+            "SELECT {OP_COLUMNS} FROM {OP_TABLES} \
              WHERE (namespace, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
-             ORDER BY operation_id FOR UPDATE"
+             ORDER BY operation_id {LOCK_STATE}"
         ))
         .bind(namespaces)
         .bind(names)
@@ -807,12 +838,13 @@ impl Tx for PgTx {
     }
 
     async fn lock_operations(&mut self, ids: &[Uuid]) -> Result<HashMap<Uuid, Operation>> {
-        self.select_operations(ids, "ORDER BY operation_id FOR UPDATE")
+        self.select_operations(ids, &format!("ORDER BY operation_id {LOCK_STATE}"))
             .await
     }
 
     async fn try_lock_operations(&mut self, ids: &[Uuid]) -> Result<HashMap<Uuid, Operation>> {
-        self.select_operations(ids, "FOR UPDATE SKIP LOCKED").await
+        self.select_operations(ids, &format!("{LOCK_STATE} SKIP LOCKED"))
+            .await
     }
 
     async fn update_operations_batch(&mut self, ops: &[Operation]) -> Result<()> {
@@ -987,7 +1019,7 @@ impl Tx for PgTx {
 
     async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
         Ok(sqlx::query_scalar(
-            "SELECT operation_id FROM operations WHERE status = 'dispatched' AND lease_expires_at < $1 \
+            "SELECT operation_id FROM operation_state WHERE status = 'dispatched' AND lease_expires_at < $1 \
              ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(now)
@@ -998,7 +1030,7 @@ impl Tx for PgTx {
 
     async fn pick_reconcilable(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
         Ok(sqlx::query_scalar(
-            "SELECT operation_id FROM operations \
+            "SELECT operation_id FROM operation_state \
              WHERE status IN ('unknown_outcome', 'acknowledged') \
                AND (next_attempt_at IS NULL OR next_attempt_at <= $1) \
                AND (lease_expires_at IS NULL OR lease_expires_at < $1) \
@@ -1226,7 +1258,7 @@ impl Ledger for PgLedger {
 
     async fn ids_between(&self, low: Uuid, high: Uuid, limit: i64) -> Result<Vec<Uuid>> {
         Ok(sqlx::query_scalar(
-            "SELECT operation_id FROM operations WHERE operation_id BETWEEN $1 AND $2 \
+            "SELECT operation_id FROM operation_identity WHERE operation_id BETWEEN $1 AND $2 \
              ORDER BY operation_id LIMIT $3",
         )
         .bind(low)
@@ -1602,6 +1634,35 @@ mod tests {
         Ok((ledger, schema))
     }
 
+    /// A ledger over a new schema migrated by this build's migrations before `version`
+    /// only: the schema an upgrade to `version` starts from.
+    #[cfg(feature = "integration")]
+    async fn ledger_before(version: i64) -> Result<(PgLedger, Schema)> {
+        let (ledger, schema) = empty_ledger().await?;
+        let dir = std::env::temp_dir().join(format!("opgate-migrations-{}", schema.name));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::Corrupt(e.to_string()))?;
+        let source =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations/postgres");
+        for entry in std::fs::read_dir(&source).map_err(|e| Error::Corrupt(e.to_string()))? {
+            let path = entry.map_err(|e| Error::Corrupt(e.to_string()))?.path();
+            let file = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .unwrap_or_default();
+            let number = file.split('_').next().and_then(|n| n.parse::<i64>().ok());
+            if number.is_some_and(|n| n < version) {
+                std::fs::copy(&path, dir.join(file)).map_err(|e| Error::Corrupt(e.to_string()))?;
+            }
+        }
+        let before = sqlx::migrate::Migrator::new(dir.as_path())
+            .await
+            .map_err(|e| Error::Corrupt(e.to_string()))?;
+        assert_eq!(before.iter().map(|m| m.version).max(), Some(version - 1));
+        before.run(ledger.pool()).await?;
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok((ledger, schema))
+    }
+
     /// A test schema, dropped with its contents at the end of the test.
     #[cfg(feature = "integration")]
     struct Schema {
@@ -1712,29 +1773,7 @@ mod tests {
     #[tokio::test]
     async fn results_waiting_at_the_upgrade_to_json_payloads_keep_their_trace_context() -> Result<()>
     {
-        let (ledger, schema) = empty_ledger().await?;
-
-        // The schema as migration 0007 left it: the same files, up to 0007.
-        let dir = std::env::temp_dir().join(format!("opgate-migrations-{}", schema.name));
-        std::fs::create_dir_all(&dir).map_err(|e| Error::Corrupt(e.to_string()))?;
-        let source =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations/postgres");
-        for entry in std::fs::read_dir(&source).map_err(|e| Error::Corrupt(e.to_string()))? {
-            let path = entry.map_err(|e| Error::Corrupt(e.to_string()))?.path();
-            let file = path
-                .file_name()
-                .and_then(|f| f.to_str())
-                .unwrap_or_default();
-            if file.as_bytes().first().is_some_and(u8::is_ascii_digit) && file < "0008" {
-                std::fs::copy(&path, dir.join(file)).map_err(|e| Error::Corrupt(e.to_string()))?;
-            }
-        }
-        let before = sqlx::migrate::Migrator::new(dir.as_path())
-            .await
-            .map_err(|e| Error::Corrupt(e.to_string()))?;
-        assert_eq!(before.iter().map(|m| m.version).max(), Some(7));
-        before.run(ledger.pool()).await?;
-        let _ = std::fs::remove_dir_all(&dir);
+        let (ledger, _schema) = ledger_before(8).await?;
 
         let traced = r#"{"status": "rejected", "seq": 0, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#;
         let plain = r#"{"status": "rejected", "seq": 0}"#;
@@ -1777,6 +1816,88 @@ mod tests {
             assert_eq!(message["status"], "rejected");
             assert_eq!(row.traceparent.as_deref(), message["traceparent"].as_str());
         }
+        Ok(())
+    }
+
+    /// Migration 0009 splits `operations` into identity and state: every operation reads
+    /// back through the `operations` view exactly as the table held it, the state rows
+    /// know which operations hold their entity (writes, not reads, not compensations),
+    /// and the one-write-in-flight index still refuses a second write in flight.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn operations_read_back_the_same_after_the_split_into_identity_and_state() -> Result<()> {
+        let (ledger, _schema) = ledger_before(9).await?;
+        let pool = ledger.pool();
+        // (event id, class, status, compensates the operation of): on one entity, a write
+        // in flight, a read in flight, a settled write and its compensation in flight.
+        let rows = [
+            ("w", "irreversible", "dispatched", None),
+            ("r", "read", "dispatched", None),
+            ("done", "external_idempotent", "completed_success", None),
+            ("undo", "irreversible", "dispatched", Some("done")),
+        ];
+        for (event, class, status, undoes) in rows {
+            sqlx::query(
+                "INSERT INTO operations (operation_id, namespace, idempotency_key, key_components, \
+                 args_fingerprint, event_id, tool, entity_type, entity_id, entity_key, \
+                 canonical_args, side_effect_class, status, attempt_count, lease_owner, \
+                 lease_expires_at, lease_epoch, result, error, compensates, result_seq, \
+                 created_at, updated_at, ambiguous_since) \
+                 VALUES ($1, 'default', 'key:' || $2, '{\"k\": 1}', 'fp', $2, 'pay', 'order', 'o1', \
+                 'default:order:o1', '{\"amount\": \"1.00\"}', $3, $4, 2, 'worker-1', \
+                 now() + interval '1 minute', 3, '{\"ok\": true}', NULL, \
+                 (SELECT operation_id FROM operations WHERE event_id = $5), 4, now(), now(), now())",
+            )
+            .bind(Uuid::now_v7())
+            .bind(event)
+            .bind(class)
+            .bind(status)
+            .bind(undoes)
+            .execute(pool)
+            .await?;
+        }
+        let everything = "SELECT jsonb_agg(to_jsonb(o) ORDER BY operation_id) FROM operations o";
+        let before: Value = sqlx::query_scalar(everything).fetch_one(pool).await?;
+
+        ledger.migrate().await?;
+        let after: Value = sqlx::query_scalar(everything).fetch_one(pool).await?;
+        assert_eq!(after, before, "the view reads what the table held");
+        let holders: Vec<(String, Option<String>)> = sqlx::query_as(
+            "SELECT i.event_id, s.exclusive_entity FROM operation_identity i \
+             JOIN operation_state s USING (operation_id) ORDER BY i.event_id",
+        )
+        .fetch_all(pool)
+        .await?;
+        let entity = Some("default:order:o1".to_owned());
+        assert_eq!(
+            holders,
+            [
+                ("done".to_owned(), entity.clone()),
+                ("r".to_owned(), None),
+                ("undo".to_owned(), None),
+                ("w".to_owned(), entity),
+            ]
+        );
+        let second = sqlx::query(
+            "UPDATE operation_state SET status = 'dispatched' WHERE operation_id = \
+             (SELECT operation_id FROM operation_identity WHERE event_id = 'done')",
+        )
+        .execute(pool)
+        .await;
+        assert!(
+            matches!(&second, Err(sqlx::Error::Database(db)) if db.constraint() == Some(crate::error::ENTITY_INDEX)),
+            "a second write in flight on the entity: {second:?}"
+        );
+        // The ledger reads the split tables.
+        let id: Uuid =
+            sqlx::query_scalar("SELECT operation_id FROM operations WHERE event_id = 'w'")
+                .fetch_one(pool)
+                .await?;
+        let op = ledger.operation(id).await?.expect("the operation");
+        assert_eq!(
+            (op.status, op.attempt_count, op.lease_epoch),
+            (Status::Dispatched, 2, 3)
+        );
         Ok(())
     }
 }

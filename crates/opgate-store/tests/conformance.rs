@@ -898,17 +898,15 @@ async fn the_schema_enforces_one_write_in_flight_per_entity(h: Harness) {
     ])
     .await
     .expect("ingest");
-    h.exec("UPDATE operations SET status = 'dispatched' WHERE event_id = 'e1'")
+    h.set_status("dispatched", "event_id = 'e1'")
         .await
         .expect("first in flight");
-    let second = h
-        .exec("UPDATE operations SET status = 'unknown_outcome' WHERE event_id = 'e2'")
-        .await;
+    let second = h.set_status("unknown_outcome", "event_id = 'e2'").await;
     assert!(
         second.is_err(),
         "a second write in flight on one entity must violate the unique index"
     );
-    h.exec("UPDATE operations SET status = 'dispatched' WHERE event_id = 'r'")
+    h.set_status("dispatched", "event_id = 'r'")
         .await
         .expect("reads are exempt");
 }
@@ -918,16 +916,25 @@ async fn the_schema_refuses_unknown_states(h: Harness) {
         .ingest(&[pay("e1", "o1", "1")])
         .await
         .expect("ingest");
-    assert!(
-        h.exec("UPDATE operations SET status = 'done'")
+    // Each statement is otherwise valid: the same ones with known values succeed.
+    assert_eq!(
+        h.set_status("pending_dispatch", "TRUE")
             .await
-            .is_err()
+            .expect("a known state"),
+        1
     );
-    assert!(
-        h.exec("UPDATE operations SET side_effect_class = 'risky'")
-            .await
-            .is_err()
+    let class = |class: &str| {
+        format!(
+            "UPDATE {} SET side_effect_class = '{class}'",
+            h.identity_table()
+        )
+    };
+    assert_eq!(
+        h.exec(&class("irreversible")).await.expect("a known class"),
+        1
     );
+    assert!(h.set_status("done", "TRUE").await.is_err());
+    assert!(h.exec(&class("risky")).await.is_err());
 }
 
 async fn schema_version_is_checked(h: Harness) {
@@ -1195,9 +1202,12 @@ async fn dedupe_window_suppresses_the_same_action_across_keys(h: Harness) {
         2
     );
     // Past the window, the same notification acts again.
-    h.exec("UPDATE operations SET created_at = '2000-01-01T00:00:00.000Z'")
-        .await
-        .expect("age the operations");
+    h.exec(&format!(
+        "UPDATE {} SET created_at = '2000-01-01T00:00:00.000Z'",
+        h.identity_table()
+    ))
+    .await
+    .expect("age the operations");
     let out = l
         .ingest(&[notify("n7", "u1", "wf-7", "a@example.com")])
         .await
@@ -2095,18 +2105,11 @@ async fn two_writes_on_one_entity_conflict_exactly_when_the_first_holds_it(h: Ha
                     .to_string()
             })
             .collect();
-        h.exec(&format!(
-            "UPDATE operations SET status = '{}' WHERE operation_id = '{}'",
-            status.as_str(),
-            ids[0]
-        ))
-        .await
-        .expect("the first write takes any state");
+        h.set_status(status.as_str(), &format!("operation_id = '{}'", ids[0]))
+            .await
+            .expect("the first write takes any state");
         let second = h
-            .exec(&format!(
-                "UPDATE operations SET status = 'dispatched' WHERE operation_id = '{}'",
-                ids[1]
-            ))
+            .set_status("dispatched", &format!("operation_id = '{}'", ids[1]))
             .await;
         assert_eq!(
             second.is_err(),

@@ -1,0 +1,84 @@
+-- The hot path writes less (issue 10): an operation's hot state moves to a narrow table
+-- of its own. Every transition updated the wide `operations` row, and since its status
+-- is indexed none of those updates could be HOT: each one wrote a new entry into every
+-- one of the row's ~10 indexes (BENCHMARKS.md: 23.5 WAL records per operation for the
+-- two updates, a third of PostgreSQL's time in index insertion).
+--
+-- * `operation_identity` is the old table renamed: what an operation is, written once at
+--   ingest and never updated (the foreign keys of inbox, events, attempts, queue and
+--   compensations follow the rename).
+-- * `operation_state` holds what a transition writes, one row per operation, with the
+--   indexes that name the status. `exclusive_entity` is the entity key of an operation
+--   that holds its entity while in flight (a write that is not a compensation; NULL for
+--   reads and compensations), so the one-write-in-flight invariant stays a unique index.
+--   The indexes keep their names (the store maps a violation of
+--   `operations_one_write_in_flight` to "entity busy").
+-- * `operations` is a view joining the two with the old columns in the old order: the
+--   table DESIGN.md names reads as before. opgate writes the two tables; locking reads
+--   lock the state row only.
+--
+-- Rewrites nothing but the new table; stop the processes of the previous version first
+-- (they write columns that are no longer there).
+ALTER TABLE operations RENAME TO operation_identity;
+
+CREATE TABLE operation_state (
+    operation_id        uuid PRIMARY KEY REFERENCES operation_identity (operation_id),
+    exclusive_entity    text,
+    status              text NOT NULL CHECK (status IN
+        ('awaiting_approval', 'pending_dispatch', 'dispatched', 'acknowledged', 'completed_success',
+         'completed_noop', 'failed_retryable', 'failed_permanent', 'unknown_outcome',
+         'needs_attention', 'rejected', 'cancelled', 'compensating', 'compensated')),
+    attempt_count       integer NOT NULL DEFAULT 0,
+    first_attempt_at    timestamptz,
+    next_attempt_at     timestamptz,
+    unknown_since       timestamptz,
+    ambiguous_since     timestamptz,
+    lease_owner         text,
+    lease_expires_at    timestamptz,
+    lease_epoch         bigint NOT NULL DEFAULT 0,
+    external_request_id text,
+    external_object_id  text,
+    result              jsonb,
+    error               jsonb,
+    result_seq          bigint NOT NULL DEFAULT 0,
+    updated_at          timestamptz NOT NULL
+);
+
+INSERT INTO operation_state (operation_id, exclusive_entity, status, attempt_count,
+    first_attempt_at, next_attempt_at, unknown_since, ambiguous_since, lease_owner,
+    lease_expires_at, lease_epoch, external_request_id, external_object_id, result, error,
+    result_seq, updated_at)
+SELECT operation_id,
+    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key END,
+    status, attempt_count, first_attempt_at, next_attempt_at, unknown_since, ambiguous_since,
+    lease_owner, lease_expires_at, lease_epoch, external_request_id, external_object_id,
+    result, error, result_seq, updated_at
+FROM operation_identity;
+
+-- Dropping the columns drops the indexes that named them (the per-entity, lease,
+-- reconcile and by-status indexes), rebuilt on the state table below.
+ALTER TABLE operation_identity
+    DROP COLUMN status, DROP COLUMN attempt_count, DROP COLUMN first_attempt_at,
+    DROP COLUMN next_attempt_at, DROP COLUMN unknown_since, DROP COLUMN ambiguous_since,
+    DROP COLUMN lease_owner, DROP COLUMN lease_expires_at, DROP COLUMN lease_epoch,
+    DROP COLUMN external_request_id, DROP COLUMN external_object_id, DROP COLUMN result,
+    DROP COLUMN error, DROP COLUMN result_seq, DROP COLUMN updated_at;
+
+-- At most one write in flight per entity; an unresolved ambiguity holds the entity too.
+CREATE UNIQUE INDEX operations_one_write_in_flight ON operation_state (exclusive_entity)
+    WHERE exclusive_entity IS NOT NULL AND status IN ('dispatched', 'acknowledged', 'unknown_outcome', 'needs_attention', 'compensating');
+CREATE INDEX operations_lease ON operation_state (lease_expires_at)
+    WHERE status = 'dispatched';
+CREATE INDEX operations_reconcile ON operation_state (next_attempt_at)
+    WHERE status IN ('unknown_outcome', 'acknowledged');
+CREATE INDEX operations_by_status ON operation_state (status, operation_id);
+
+CREATE VIEW operations AS
+SELECT i.operation_id, i.namespace, i.idempotency_key, i.key_components, i.args_fingerprint,
+    i.event_id, i.agent_id, i.workflow_id, i.run_id, i.step, i.tool, i.intent, i.entity_type,
+    i.entity_id, i.entity_key, i.canonical_args, i.side_effect_class, s.status,
+    s.attempt_count, s.first_attempt_at, s.next_attempt_at, s.unknown_since, s.lease_owner,
+    s.lease_expires_at, s.lease_epoch, s.external_request_id, s.external_object_id, s.result,
+    s.error, i.compensates, i.traceparent, s.result_seq, i.created_at, s.updated_at,
+    s.ambiguous_since
+FROM operation_identity i JOIN operation_state s ON s.operation_id = i.operation_id;
