@@ -8,22 +8,33 @@
 --   ingest and never updated (the foreign keys of inbox, events, attempts, queue and
 --   compensations follow the rename).
 -- * `operation_state` holds what a transition writes, one row per operation, with the
---   indexes that name the status. `exclusive_entity` is the entity key of an operation
---   that holds its entity while in flight (a write that is not a compensation; NULL for
---   reads and compensations), so the one-write-in-flight invariant stays a unique index.
---   The indexes keep their names (the store maps a violation of
+--   indexes that name the status. The one-write-in-flight invariant stays a unique index
+--   the schema enforces: `operation_identity.holds` (generated) is the entity key of an
+--   operation that holds its entity while in flight (a write that is not a
+--   compensation), '' for reads and compensations; the state row carries it as
+--   `exclusive_entity` under a foreign key to (operation_id, holds), so a state row can
+--   neither claim another entity nor hold none while its identity says it must, and an
+--   identity row cannot change what it holds underneath its state. Every identity row
+--   has its state row (a deferred foreign key, checked at commit: the two are inserted
+--   by one statement). The indexes keep their names (the store maps a violation of
 --   `operations_one_write_in_flight` to "entity busy").
 -- * `operations` is a view joining the two with the old columns in the old order: the
 --   table DESIGN.md names reads as before. opgate writes the two tables; locking reads
 --   lock the state row only.
 --
--- Rewrites nothing but the new table; stop the processes of the previous version first
--- (they write columns that are no longer there).
+-- Rewrites `operation_identity` once (the generated column) under an exclusive lock;
+-- stop the processes of the previous version first (they write columns that are no
+-- longer there).
 ALTER TABLE operations RENAME TO operation_identity;
+ALTER TABLE operation_identity ADD COLUMN holds text NOT NULL GENERATED ALWAYS AS (
+    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key ELSE '' END
+) STORED;
+ALTER TABLE operation_identity
+    ADD CONSTRAINT operation_identity_holds UNIQUE (operation_id, holds);
 
 CREATE TABLE operation_state (
-    operation_id        uuid PRIMARY KEY REFERENCES operation_identity (operation_id),
-    exclusive_entity    text,
+    operation_id        uuid PRIMARY KEY,
+    exclusive_entity    text NOT NULL,
     status              text NOT NULL CHECK (status IN
         ('awaiting_approval', 'pending_dispatch', 'dispatched', 'acknowledged', 'completed_success',
          'completed_noop', 'failed_retryable', 'failed_permanent', 'unknown_outcome',
@@ -41,16 +52,16 @@ CREATE TABLE operation_state (
     result              jsonb,
     error               jsonb,
     result_seq          bigint NOT NULL DEFAULT 0,
-    updated_at          timestamptz NOT NULL
+    updated_at          timestamptz NOT NULL,
+    CONSTRAINT operation_state_holds FOREIGN KEY (operation_id, exclusive_entity)
+        REFERENCES operation_identity (operation_id, holds)
 );
 
 INSERT INTO operation_state (operation_id, exclusive_entity, status, attempt_count,
     first_attempt_at, next_attempt_at, unknown_since, ambiguous_since, lease_owner,
     lease_expires_at, lease_epoch, external_request_id, external_object_id, result, error,
     result_seq, updated_at)
-SELECT operation_id,
-    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key END,
-    status, attempt_count, first_attempt_at, next_attempt_at, unknown_since, ambiguous_since,
+SELECT operation_id, holds, status, attempt_count, first_attempt_at, next_attempt_at, unknown_since, ambiguous_since,
     lease_owner, lease_expires_at, lease_epoch, external_request_id, external_object_id,
     result, error, result_seq, updated_at
 FROM operation_identity;
@@ -64,9 +75,13 @@ ALTER TABLE operation_identity
     DROP COLUMN external_request_id, DROP COLUMN external_object_id, DROP COLUMN result,
     DROP COLUMN error, DROP COLUMN result_seq, DROP COLUMN updated_at;
 
+ALTER TABLE operation_identity ADD CONSTRAINT operation_identity_has_state
+    FOREIGN KEY (operation_id) REFERENCES operation_state (operation_id)
+    DEFERRABLE INITIALLY DEFERRED;
+
 -- At most one write in flight per entity; an unresolved ambiguity holds the entity too.
 CREATE UNIQUE INDEX operations_one_write_in_flight ON operation_state (exclusive_entity)
-    WHERE exclusive_entity IS NOT NULL AND status IN ('dispatched', 'acknowledged', 'unknown_outcome', 'needs_attention', 'compensating');
+    WHERE exclusive_entity <> '' AND status IN ('dispatched', 'acknowledged', 'unknown_outcome', 'needs_attention', 'compensating');
 CREATE INDEX operations_lease ON operation_state (lease_expires_at)
     WHERE status = 'dispatched';
 CREATE INDEX operations_reconcile ON operation_state (next_attempt_at)

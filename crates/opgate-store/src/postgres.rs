@@ -426,26 +426,22 @@ fn unnest_sql<'c>(columns: impl Iterator<Item = &'c (&'c str, &'c str)>) -> Stri
 /// Inserts operations ([`bind_op_identity`], then [`bind_op_state`]), each unless its
 /// (namespace, key) exists, in one statement: the identity row, then the state row of
 /// each identity inserted. The state row's `exclusive_entity` (the key of the
-/// one-write-in-flight index) is the entity key of a write that is not a compensation,
-/// computed here from the identity row so that no caller can set it otherwise. Returns
-/// the ids inserted.
+/// one-write-in-flight index) is the identity's generated `holds` (migration 0009: the
+/// entity key of a write that is not a compensation, '' otherwise), which a foreign key
+/// holds it to. Returns the ids inserted.
 static INSERT_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
-    let names = |columns: &[(&str, &str)]| -> Vec<String> {
-        columns.iter().map(|(name, _)| (*name).to_owned()).collect()
-    };
-    let identity = names(&OP_IDENTITY).join(", ");
-    let state = names(&OP_STATE);
+    let identity: Vec<&str> = OP_IDENTITY.iter().map(|(name, _)| *name).collect();
+    let state: Vec<&str> = OP_STATE.iter().map(|(name, _)| *name).collect();
     let state_values: Vec<String> = state.iter().map(|name| format!("v.{name}")).collect();
-    let all = [names(&OP_IDENTITY), state.clone()].concat();
+    let all = [identity.as_slice(), state.as_slice()].concat();
+    let identity = identity.join(", ");
     format!(
         "WITH v AS (SELECT * FROM {} AS u({})), \
          ins AS (INSERT INTO operation_identity ({identity}) SELECT {identity} FROM v \
            ON CONFLICT (namespace, idempotency_key) DO NOTHING \
-           RETURNING operation_id, entity_key, side_effect_class, compensates) \
+           RETURNING operation_id, holds) \
          INSERT INTO operation_state (operation_id, exclusive_entity, {}) \
-         SELECT ins.operation_id, \
-           CASE WHEN ins.side_effect_class <> 'read' AND ins.compensates IS NULL \
-             THEN ins.entity_key END, {} \
+         SELECT ins.operation_id, ins.holds, {} \
          FROM ins JOIN v ON v.operation_id = ins.operation_id \
          RETURNING operation_id",
         unnest_sql(OP_IDENTITY.iter().chain(&OP_STATE)),
@@ -1862,32 +1858,62 @@ mod tests {
         ledger.migrate().await?;
         let after: Value = sqlx::query_scalar(everything).fetch_one(pool).await?;
         assert_eq!(after, before, "the view reads what the table held");
-        let holders: Vec<(String, Option<String>)> = sqlx::query_as(
+        let holders: Vec<(String, String)> = sqlx::query_as(
             "SELECT i.event_id, s.exclusive_entity FROM operation_identity i \
              JOIN operation_state s USING (operation_id) ORDER BY i.event_id",
         )
         .fetch_all(pool)
         .await?;
-        let entity = Some("default:order:o1".to_owned());
+        let holders: Vec<(&str, &str)> = holders
+            .iter()
+            .map(|(event, entity)| (event.as_str(), entity.as_str()))
+            .collect();
+        let entity = "default:order:o1";
         assert_eq!(
             holders,
-            [
-                ("done".to_owned(), entity.clone()),
-                ("r".to_owned(), None),
-                ("undo".to_owned(), None),
-                ("w".to_owned(), entity),
-            ]
+            [("done", entity), ("r", ""), ("undo", ""), ("w", entity)]
         );
-        let second = sqlx::query(
+        let refused = |statement: &'static str, constraint: &'static str| async move {
+            let outcome = sqlx::query(statement).execute(pool).await;
+            assert!(
+                matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some(constraint)),
+                "{statement}: {outcome:?}"
+            );
+        };
+        // A second write in flight on the entity.
+        refused(
             "UPDATE operation_state SET status = 'dispatched' WHERE operation_id = \
              (SELECT operation_id FROM operation_identity WHERE event_id = 'done')",
+            crate::error::ENTITY_INDEX,
         )
-        .execute(pool)
         .await;
-        assert!(
-            matches!(&second, Err(sqlx::Error::Database(db)) if db.constraint() == Some(crate::error::ENTITY_INDEX)),
-            "a second write in flight on the entity: {second:?}"
-        );
+        // A state row that lets its write hold nothing, or another entity.
+        for entity in ["''", "'default:order:o2'"] {
+            let statement = format!(
+                "UPDATE operation_state SET exclusive_entity = {entity} WHERE operation_id = \
+                 (SELECT operation_id FROM operation_identity WHERE event_id = 'w')"
+            );
+            let outcome = sqlx::query(&statement).execute(pool).await;
+            assert!(
+                matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some("operation_state_holds")),
+                "{statement}: {outcome:?}"
+            );
+        }
+        // An identity turned into a read under its state row, and one without a state row.
+        refused(
+            "UPDATE operation_identity SET side_effect_class = 'read' WHERE event_id = 'w'",
+            "operation_state_holds",
+        )
+        .await;
+        refused(
+            "INSERT INTO operation_identity (operation_id, namespace, idempotency_key, \
+             key_components, args_fingerprint, event_id, tool, entity_type, entity_id, \
+             entity_key, canonical_args, side_effect_class, created_at) \
+             VALUES (gen_random_uuid(), 'default', 'key:alone', '{}', 'fp', 'alone', 'pay', \
+             'order', 'o3', 'default:order:o3', '{}', 'irreversible', now())",
+            "operation_identity_has_state",
+        )
+        .await;
         // The ledger reads the split tables.
         let id: Uuid =
             sqlx::query_scalar("SELECT operation_id FROM operations WHERE event_id = 'w'")
