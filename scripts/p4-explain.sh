@@ -20,7 +20,9 @@ started=$(date +%s)
 psql -q "$url" <<SQL
 SET synchronous_commit = off;  -- loading only; the measured statements run as usual
 -- An operation's identity and its state are two tables since migration 0009 (the
--- operations view joins them); the status follows from the generated number i.
+-- operations view joins them); the status follows from the generated number i. One
+-- transaction: every identity row must have its state row by commit.
+BEGIN;
 INSERT INTO operation_identity (operation_id, namespace, idempotency_key, key_components,
   args_fingerprint, event_id, tool, entity_type, entity_id, entity_key, canonical_args,
   side_effect_class, created_at)
@@ -30,12 +32,14 @@ SELECT gen_random_uuid(), 'ns' || (i % 10), 'key:' || i, '{}', 'fp' || i, 'ev-' 
 FROM generate_series(1, $n) AS i,
   -- An operation that holds its entity (unknown, needs_attention) gets one of its own.
   LATERAL (SELECT CASE WHEN i % 100 IN (0, 1) THEN 'live' || i ELSE 'o' || (i % ($n / 10)) END AS e) AS entity;
-INSERT INTO operation_state (operation_id, exclusive_entity, status, attempt_count, updated_at)
-SELECT operation_id, entity_key,
+INSERT INTO operation_state (operation_id, exclusive_entity, tool, side_effect_class, status,
+  attempt_count, updated_at)
+SELECT operation_id, holds, tool, side_effect_class,
   CASE WHEN i % 100 = 0 THEN 'unknown_outcome' WHEN i % 100 = 1 THEN 'needs_attention'
        WHEN i % 100 = 2 THEN 'failed_retryable' ELSE 'completed_success' END,
   1, now()
 FROM operation_identity, LATERAL (SELECT split_part(idempotency_key, ':', 2)::bigint AS i) AS n;
+COMMIT;
 INSERT INTO dispatch_queue (operation_id, entity_key, is_read, state, ready_at, tool)
 SELECT operation_id, entity_key, false, 'waiting', now(), tool
 FROM operations WHERE status = 'failed_retryable';
@@ -85,7 +89,7 @@ explain "ops list --namespace ns3" "$list WHERE namespace = 'ns3' ORDER BY opera
 explain "ops list --key key:4242" "$list WHERE idempotency_key = 'key:4242' ORDER BY operation_id DESC LIMIT 51"
 explain "ops list --status unknown_outcome --tool tool_0" "$list WHERE status = 'unknown_outcome' AND tool = 'tool_0' ORDER BY operation_id DESC LIMIT 51"
 live=$(psql -tAq "$url" -c "SELECT string_agg(quote_literal(s), ', ') FROM unnest(ARRAY['awaiting_approval','pending_dispatch','dispatched','acknowledged','failed_retryable','unknown_outcome','needs_attention','compensating']) s")
-explain "/metrics stats: live operations" "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) ELSE updated_at END) AS oldest FROM operations WHERE status IN ($live) GROUP BY 1, 2, 3"
+explain "/metrics stats: live operations" "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) ELSE updated_at END) AS oldest FROM operation_state WHERE status IN ($live) GROUP BY 1, 2, 3"
 explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue GROUP BY state"
 explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
 # The claim runs with sequential scans and sorts off for its transaction (postgres.rs, Planner::Claim).

@@ -110,12 +110,14 @@ pub(crate) fn paginate(mut operations: Vec<Operation>, limit: usize) -> Page {
 /// Live (non-terminal) operations per tool, class and state, with the oldest entry into
 /// the state: `unknown_since` for unknown outcomes (the reconciler's lookups touch
 /// `updated_at` without changing the state), the last change otherwise.
-pub(crate) fn live_sql() -> String {
+/// `table` holds the state with the tool and class: `operations`, or PostgreSQL's
+/// `operation_state`.
+pub(crate) fn live_sql(table: &str) -> String {
     format!(
         "SELECT tool, side_effect_class, status, COUNT(*) AS n, \
          MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) \
              ELSE updated_at END) AS oldest \
-         FROM operations WHERE status IN ({}) GROUP BY 1, 2, 3",
+         FROM {table} WHERE status IN ({}) GROUP BY 1, 2, 3",
         *crate::types::LIVE_SQL
     )
 }

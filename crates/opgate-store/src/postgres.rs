@@ -296,8 +296,11 @@ impl PgTx {
 /// at ingest, and `operation_state`, which every transition updates (a narrow row whose
 /// updates rewrite only the indexes that name its state). The `operations` view joins
 /// them for readers; the flows read them directly, so that a lock takes the state row
-/// alone ([`LOCK_STATE`]): locking the identity row too would write a lock into it.
-const OP_TABLES: &str = "operation_identity JOIN operation_state USING (operation_id)";
+/// alone ([`LOCK_STATE`]): locking the identity row too would write a lock into it. The
+/// state row's copies of the tool and class (held equal by a foreign key) merge with the
+/// identity's in the join.
+const OP_TABLES: &str =
+    "operation_identity JOIN operation_state USING (operation_id, tool, side_effect_class)";
 
 /// The locking clause of a read that is about to change an operation's state.
 const LOCK_STATE: &str = "FOR UPDATE OF operation_state";
@@ -427,8 +430,9 @@ fn unnest_sql<'c>(columns: impl Iterator<Item = &'c (&'c str, &'c str)>) -> Stri
 /// (namespace, key) exists, in one statement: the identity row, then the state row of
 /// each identity inserted. The state row's `exclusive_entity` (the key of the
 /// one-write-in-flight index) is the identity's generated `holds` (migration 0009: the
-/// entity key of a write that is not a compensation, '' otherwise), which a foreign key
-/// holds it to. Returns the ids inserted.
+/// entity key of a write that is not a compensation, '' otherwise), and it copies the
+/// tool and class (for the live gauges), all held to the identity by a foreign key.
+/// Returns the ids inserted.
 static INSERT_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
     let identity: Vec<&str> = OP_IDENTITY.iter().map(|(name, _)| *name).collect();
     let state: Vec<&str> = OP_STATE.iter().map(|(name, _)| *name).collect();
@@ -439,9 +443,10 @@ static INSERT_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
         "WITH v AS (SELECT * FROM {} AS u({})), \
          ins AS (INSERT INTO operation_identity ({identity}) SELECT {identity} FROM v \
            ON CONFLICT (namespace, idempotency_key) DO NOTHING \
-           RETURNING operation_id, holds) \
-         INSERT INTO operation_state (operation_id, exclusive_entity, {}) \
-         SELECT ins.operation_id, ins.holds, {} \
+           RETURNING operation_id, holds, tool, side_effect_class) \
+         INSERT INTO operation_state \
+           (operation_id, exclusive_entity, tool, side_effect_class, {}) \
+         SELECT ins.operation_id, ins.holds, ins.tool, ins.side_effect_class, {} \
          FROM ins JOIN v ON v.operation_id = ins.operation_id \
          RETURNING operation_id",
         unnest_sql(OP_IDENTITY.iter().chain(&OP_STATE)),
@@ -1365,7 +1370,8 @@ impl Ledger for PgLedger {
     }
 
     async fn stats(&self) -> Result<LedgerStats> {
-        let live = sqlx::query(&live_sql())
+        // The state rows carry the tool and class: no walk of the identities.
+        let live = sqlx::query(&live_sql("operation_state"))
             .fetch_all(&self.pool)
             .await?
             .iter()
@@ -1895,14 +1901,21 @@ mod tests {
             );
             let outcome = sqlx::query(&statement).execute(pool).await;
             assert!(
-                matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some("operation_state_holds")),
+                matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some("operation_state_identity")),
                 "{statement}: {outcome:?}"
             );
         }
+        // A state row that says another tool or class than its identity.
+        refused(
+            "UPDATE operation_state SET tool = 'refund' WHERE operation_id = \
+             (SELECT operation_id FROM operation_identity WHERE event_id = 'w')",
+            "operation_state_identity",
+        )
+        .await;
         // An identity turned into a read under its state row, and one without a state row.
         refused(
             "UPDATE operation_identity SET side_effect_class = 'read' WHERE event_id = 'w'",
-            "operation_state_holds",
+            "operation_state_identity",
         )
         .await;
         refused(

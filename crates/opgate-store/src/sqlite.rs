@@ -932,7 +932,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn stats(&self) -> Result<LedgerStats> {
-        let live = sqlx::query(&live_sql())
+        let live = sqlx::query(&live_sql("operations"))
             .fetch_all(&self.reader)
             .await?
             .iter()
