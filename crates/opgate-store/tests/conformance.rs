@@ -2059,7 +2059,12 @@ async fn the_schemas_state_lists_are_the_state_machines(h: Harness) {
     let definition = |index: &str| {
         let sql = match h.dialect() {
             "sqlite" => format!("SELECT sql FROM sqlite_master WHERE name = '{index}'"),
-            _ => format!("SELECT indexdef FROM pg_indexes WHERE indexname = '{index}'"),
+            // This test's schema only: another test's schema may be dropped meanwhile,
+            // and its index's definition then fails to print.
+            _ => format!(
+                "SELECT indexdef FROM pg_indexes \
+                 WHERE indexname = '{index}' AND schemaname = current_schema()"
+            ),
         };
         let h = &h;
         async move { h.text(&sql).await }
