@@ -18,9 +18,9 @@
 --   same key holds the state row's copies of `tool` and `side_effect_class`, which let
 --   the live-operation gauges (/metrics) read the live state rows alone: joined to the
 --   identity rows they cost a walk of the whole history (a hash join over a million
---   rows, 175 ms; a nested loop, 146-178 ms, against 65 ms before the split). Every identity row
---   has its state row (a deferred foreign key, checked at commit: the two are inserted
---   by one statement). The indexes keep their names (the store maps a violation of
+--   rows, 175 ms; a nested loop, 146-178 ms; 77 ms on the state rows alone). Every
+--   identity row has its state row (a deferred foreign key, checked at commit: the two
+--   are inserted by one statement). The indexes keep their names (the store maps a violation of
 --   `operations_one_write_in_flight` to "entity busy").
 -- * `operations` is a view joining the two with the old columns in the old order: the
 --   table DESIGN.md names reads as before. opgate writes the two tables; locking reads
