@@ -26,15 +26,11 @@
 --   table DESIGN.md names reads as before. opgate writes the two tables; locking reads
 --   lock the state row only.
 --
--- Rewrites `operation_identity` once (the generated column) under an exclusive lock;
+-- Rewrites `operation_identity` once (the generated column, added after the state
+-- columns are dropped, so the rewrite also frees their bytes) under an exclusive lock;
 -- stop the processes of the previous version first (they write columns that are no
 -- longer there).
 ALTER TABLE operations RENAME TO operation_identity;
-ALTER TABLE operation_identity ADD COLUMN holds text NOT NULL GENERATED ALWAYS AS (
-    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key ELSE '' END
-) STORED;
-ALTER TABLE operation_identity ADD CONSTRAINT operation_identity_holds
-    UNIQUE (operation_id, holds, tool, side_effect_class);
 
 CREATE TABLE operation_state (
     operation_id        uuid PRIMARY KEY,
@@ -58,17 +54,16 @@ CREATE TABLE operation_state (
     result              jsonb,
     error               jsonb,
     result_seq          bigint NOT NULL DEFAULT 0,
-    updated_at          timestamptz NOT NULL,
-    CONSTRAINT operation_state_identity
-        FOREIGN KEY (operation_id, exclusive_entity, tool, side_effect_class)
-        REFERENCES operation_identity (operation_id, holds, tool, side_effect_class)
+    updated_at          timestamptz NOT NULL
 );
 
 INSERT INTO operation_state (operation_id, exclusive_entity, tool, side_effect_class, status, attempt_count,
     first_attempt_at, next_attempt_at, unknown_since, ambiguous_since, lease_owner,
     lease_expires_at, lease_epoch, external_request_id, external_object_id, result, error,
     result_seq, updated_at)
-SELECT operation_id, holds, tool, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, unknown_since, ambiguous_since,
+SELECT operation_id,
+    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key ELSE '' END,
+    tool, side_effect_class, status, attempt_count, first_attempt_at, next_attempt_at, unknown_since, ambiguous_since,
     lease_owner, lease_expires_at, lease_epoch, external_request_id, external_object_id,
     result, error, result_seq, updated_at
 FROM operation_identity;
@@ -82,6 +77,15 @@ ALTER TABLE operation_identity
     DROP COLUMN external_request_id, DROP COLUMN external_object_id, DROP COLUMN result,
     DROP COLUMN error, DROP COLUMN result_seq, DROP COLUMN updated_at;
 
+-- The same expression as the copy above, from now on the identity's own.
+ALTER TABLE operation_identity ADD COLUMN holds text NOT NULL GENERATED ALWAYS AS (
+    CASE WHEN side_effect_class <> 'read' AND compensates IS NULL THEN entity_key ELSE '' END
+) STORED;
+ALTER TABLE operation_identity ADD CONSTRAINT operation_identity_holds
+    UNIQUE (operation_id, holds, tool, side_effect_class);
+ALTER TABLE operation_state ADD CONSTRAINT operation_state_identity
+    FOREIGN KEY (operation_id, exclusive_entity, tool, side_effect_class)
+    REFERENCES operation_identity (operation_id, holds, tool, side_effect_class);
 ALTER TABLE operation_identity ADD CONSTRAINT operation_identity_has_state
     FOREIGN KEY (operation_id) REFERENCES operation_state (operation_id)
     DEFERRABLE INITIALLY DEFERRED;

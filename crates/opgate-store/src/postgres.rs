@@ -1905,7 +1905,7 @@ mod tests {
                 "{statement}: {outcome:?}"
             );
         }
-        // A state row that says another tool or class than its identity.
+        // A state row that says another tool than its identity.
         refused(
             "UPDATE operation_state SET tool = 'refund' WHERE operation_id = \
              (SELECT operation_id FROM operation_identity WHERE event_id = 'w')",
