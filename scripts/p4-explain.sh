@@ -6,7 +6,8 @@
 # stats and the dispatcher's claim run.
 #
 #   scripts/p4-explain.sh postgres://postgres@127.0.0.1:5432 1000000 [path/to/opgate]
-#   P4_BEFORE=1 ...   drop the operations indexes of migration 0003 first (the plans before it)
+#   P4_BEFORE=1 ...   drop the operations indexes of migration 0003 first (the plans before
+#                     it, as near as the current tables allow: they are two since 0009)
 #   P4_SETTLE=1 ...   afterwards settle every operation, leaving history for bench e2e
 set -euo pipefail
 server="${1:?postgres://user@host:port}"
