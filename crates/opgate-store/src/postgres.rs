@@ -1879,8 +1879,8 @@ mod tests {
             holders,
             [("done", entity), ("r", ""), ("undo", ""), ("w", entity)]
         );
-        let refused = |statement: &'static str, constraint: &'static str| async move {
-            let outcome = sqlx::query(statement).execute(pool).await;
+        let refused = |statement: String, constraint: &'static str| async move {
+            let outcome = sqlx::query(&statement).execute(pool).await;
             assert!(
                 matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some(constraint)),
                 "{statement}: {outcome:?}"
@@ -1889,32 +1889,30 @@ mod tests {
         // A second write in flight on the entity.
         refused(
             "UPDATE operation_state SET status = 'dispatched' WHERE operation_id = \
-             (SELECT operation_id FROM operation_identity WHERE event_id = 'done')",
+             (SELECT operation_id FROM operation_identity WHERE event_id = 'done')"
+                .into(),
             crate::error::ENTITY_INDEX,
         )
         .await;
-        // A state row that lets its write hold nothing, or another entity.
-        for entity in ["''", "'default:order:o2'"] {
-            let statement = format!(
-                "UPDATE operation_state SET exclusive_entity = {entity} WHERE operation_id = \
-                 (SELECT operation_id FROM operation_identity WHERE event_id = 'w')"
-            );
-            let outcome = sqlx::query(&statement).execute(pool).await;
-            assert!(
-                matches!(&outcome, Err(sqlx::Error::Database(db)) if db.constraint() == Some("operation_state_identity")),
-                "{statement}: {outcome:?}"
-            );
+        // A state row that lets its write hold nothing or another entity, or that says
+        // another tool than its identity.
+        for change in [
+            "exclusive_entity = ''",
+            "exclusive_entity = 'default:order:o2'",
+            "tool = 'refund'",
+        ] {
+            refused(
+                format!(
+                    "UPDATE operation_state SET {change} WHERE operation_id = \
+                     (SELECT operation_id FROM operation_identity WHERE event_id = 'w')"
+                ),
+                "operation_state_identity",
+            )
+            .await;
         }
-        // A state row that says another tool than its identity.
-        refused(
-            "UPDATE operation_state SET tool = 'refund' WHERE operation_id = \
-             (SELECT operation_id FROM operation_identity WHERE event_id = 'w')",
-            "operation_state_identity",
-        )
-        .await;
         // An identity turned into a read under its state row, and one without a state row.
         refused(
-            "UPDATE operation_identity SET side_effect_class = 'read' WHERE event_id = 'w'",
+            "UPDATE operation_identity SET side_effect_class = 'read' WHERE event_id = 'w'".into(),
             "operation_state_identity",
         )
         .await;
@@ -1923,7 +1921,8 @@ mod tests {
              key_components, args_fingerprint, event_id, tool, entity_type, entity_id, \
              entity_key, canonical_args, side_effect_class, created_at) \
              VALUES (gen_random_uuid(), 'default', 'key:alone', '{}', 'fp', 'alone', 'pay', \
-             'order', 'o3', 'default:order:o3', '{}', 'irreversible', now())",
+             'order', 'o3', 'default:order:o3', '{}', 'irreversible', now())"
+                .into(),
             "operation_identity_has_state",
         )
         .await;
