@@ -128,7 +128,7 @@ pub(crate) async fn compensate<T: Tx>(
         .await?;
     compensation.result_seq = 0;
     let event_id = compensation.event_id.clone();
-    publish(tx, &mut compensation, &event_id, Dedupe::miss(), now).await?;
+    append_result(tx, &mut compensation, &event_id, Dedupe::miss(), now).await?;
     tx.update_operation(&compensation).await?;
     Ok((original, compensation))
 }

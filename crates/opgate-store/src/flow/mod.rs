@@ -87,8 +87,9 @@ pub(super) fn rejection_row(rejected: &RejectedProposal, at: OffsetDateTime) -> 
     })
 }
 
-/// Appends a result for the operation's current state (bumping its sequence number).
-pub(super) async fn publish<T: Tx>(
+/// Appends a result-outbox row for the operation's current state (bumping its sequence
+/// number); the relay publishes it later.
+pub(super) async fn append_result<T: Tx>(
     tx: &mut T,
     op: &mut Operation,
     event_id: &str,
