@@ -160,6 +160,16 @@ enum Planner {
 // cross `jit_above_cost` (100,000): EXPLAIN here priced the claim's ordered walk of the
 // queue at ~295,000 before its LIMIT cut it down, and a path the settings disable is
 // priced at 1e10 rather than removed.
+//
+// And both run generic plans only (`plan_cache_mode = force_generic_plan`). Under the
+// default (`auto`) the server plans a prepared statement anew for its first five runs and
+// then whenever a custom plan looks cheaper than the generic one, which for the
+// statements over id arrays (`= ANY($1)`, `unnest(...)`) is most runs, because each
+// array's length changes the estimate: two runs of `bench e2e --rate 1000` made 5,905
+// and 6,629 plans and spent 1.3 and 1.5 s planning against 14-15 s executing
+// (`pg_stat_statements` with `track_planning`), against 860-1,004 plans and 0.2 s with
+// this setting (BENCHMARKS.md, 2026-12-04). The generic plan is the one these statements
+// want anyway: with sequential scans off every one of them reads its rows by key.
 
 impl Planner {
     /// The `set_config` calls that apply it.
@@ -167,11 +177,12 @@ impl Planner {
         match self {
             Self::Default => "",
             Self::Keyed => {
-                ", set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"
+                ", set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true), \
+                 set_config('plan_cache_mode', 'force_generic_plan', true)"
             }
             Self::Claim => {
                 ", set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true), \
-                 set_config('jit', 'off', true)"
+                 set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)"
             }
         }
     }
@@ -1634,6 +1645,56 @@ mod tests {
             PgLedger::connect_with(options.options([("search_path", schema.name.as_str())]))
                 .await?;
         Ok((ledger, schema))
+    }
+
+    /// The hot path's transactions run generic plans only: a statement over an id array,
+    /// run six times in a `Keyed` transaction, is never planned for its values, while the
+    /// same statement on another connection under the server's settings is, at least for
+    /// its first five runs (the server's rule), so the first half would fail without the
+    /// setting.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn hot_path_transactions_run_generic_plans_only() -> Result<()> {
+        let (ledger, _schema) = fresh_ledger().await?;
+        // (generic, custom) plans of this connection's prepared id-array lock reads.
+        async fn plans(tx: &mut PgTx) -> Result<(i64, i64)> {
+            Ok(sqlx::query_as(
+                "SELECT COALESCE(SUM(generic_plans), 0)::int8, COALESCE(SUM(custom_plans), 0)::int8 \
+                 FROM pg_prepared_statements WHERE statement LIKE $1",
+            )
+            .bind(format!("%= ANY($1) ORDER BY operation_id {LOCK_STATE}"))
+            .fetch_one(&mut *tx.0)
+            .await?)
+        }
+        async fn six_lock_reads(tx: &mut PgTx) -> Result<(i64, i64)> {
+            tx.now().await?;
+            let before = plans(tx).await?;
+            for n in 1..=6 {
+                let ids: Vec<Uuid> = (0..n).map(|_| Uuid::now_v7()).collect();
+                assert!(tx.lock_operations(&ids).await?.is_empty());
+            }
+            let after = plans(tx).await?;
+            Ok((after.0 - before.0, after.1 - before.1))
+        }
+
+        let mut hot = ledger.begin().await?;
+        hot.1.planner = Planner::Keyed;
+        // Held open, so the other transaction runs on another connection, whose prepared
+        // statements start from nothing.
+        let mut plain = ledger.begin().await?;
+        assert_eq!(
+            six_lock_reads(&mut hot).await?,
+            (6, 0),
+            "hot path: generic only"
+        );
+        let (_, custom) = six_lock_reads(&mut plain).await?;
+        assert!(
+            custom >= 5,
+            "server settings: {custom} custom plans of 6 runs"
+        );
+        hot.0.rollback().await?;
+        plain.0.rollback().await?;
+        Ok(())
     }
 
     /// A ledger over a new schema migrated by this build's migrations before `version`
