@@ -176,8 +176,10 @@ fn get_json(row: &SqliteRow, col: &str) -> Result<Value> {
     get_json_opt(row, col)?.ok_or_else(|| Error::Corrupt(format!("{col} is null")))
 }
 
-fn json_text<T: serde::Serialize>(value: &T) -> String {
-    serde_json::to_string(value).unwrap_or_else(|_| "null".to_owned())
+/// A value as the JSON text SQLite stores. A value that cannot be serialized is an
+/// error, never a stored `null` (which would read back as another value).
+fn json_text<T: serde::Serialize>(value: &T) -> Result<String> {
+    serde_json::to_string(value).map_err(|e| Error::Corrupt(format!("not serializable: {e}")))
 }
 
 fn op_from_row(row: &SqliteRow) -> Result<Operation> {
@@ -310,7 +312,7 @@ impl Tx for SqliteTx {
         .bind(op.operation_id.to_string())
         .bind(&op.namespace)
         .bind(&op.idempotency_key)
-        .bind(json_text(&op.key_components))
+        .bind(json_text(&op.key_components)?)
         .bind(&op.args_fingerprint)
         .bind(&op.event_id)
         .bind(&op.agent_id)
@@ -322,7 +324,7 @@ impl Tx for SqliteTx {
         .bind(&op.entity.kind)
         .bind(&op.entity.id)
         .bind(&op.entity_key)
-        .bind(json_text(&op.canonical_args))
+        .bind(json_text(&op.canonical_args)?)
         .bind(op.side_effect_class.as_str())
         .bind(op.status.as_str())
         .bind(i64::from(op.attempt_count))
@@ -334,8 +336,8 @@ impl Tx for SqliteTx {
         .bind(op.lease_epoch)
         .bind(&op.external_request_id)
         .bind(&op.external_object_id)
-        .bind(op.result.as_ref().map(json_text))
-        .bind(op.error.as_ref().map(json_text))
+        .bind(op.result.as_ref().map(json_text).transpose()?)
+        .bind(op.error.as_ref().map(json_text).transpose()?)
         .bind(op.compensates.map(|u| u.to_string()))
         .bind(&op.traceparent)
         .bind(op.result_seq)
@@ -432,8 +434,8 @@ impl Tx for SqliteTx {
         .bind(op.lease_epoch)
         .bind(&op.external_request_id)
         .bind(&op.external_object_id)
-        .bind(op.result.as_ref().map(json_text))
-        .bind(op.error.as_ref().map(json_text))
+        .bind(op.result.as_ref().map(json_text).transpose()?)
+        .bind(op.error.as_ref().map(json_text).transpose()?)
         .bind(op.result_seq)
         .bind(ts(op.updated_at))
         .bind(ts_opt(op.ambiguous_since))
@@ -455,7 +457,7 @@ impl Tx for SqliteTx {
         .bind(e.epoch)
         .bind(e.actor)
         .bind(ts(e.at))
-        .bind(e.detail.as_ref().map(json_text))
+        .bind(e.detail.as_ref().map(json_text).transpose()?)
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -755,7 +757,7 @@ impl Ledger for SqliteLedger {
                  WHERE id IN (SELECT value FROM json_each($2)) AND published_at IS NULL",
             )
             .bind(ts(now))
-            .bind(json_text(&ids))
+            .bind(json_text(&ids)?)
             .execute(&mut *tx.0)
             .await?;
         })
