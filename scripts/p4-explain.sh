@@ -46,6 +46,9 @@ SELECT operation_id, entity_key, false, 'waiting', now(), tool
 FROM operations WHERE status = 'failed_retryable';
 INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, created_at, published_at)
 SELECT operation_id, 1, status, entity_key, '{}', created_at, updated_at FROM operations;
+-- Every result is published: the relay floor (migration 0010) stands where a relay that
+-- kept up would have raised it, past the last row.
+UPDATE result_relay_floor SET floor = (SELECT max(id) + 1 FROM result_outbox);
 -- The console's reads: an inbox row per operation (1% of them duplicates), its first
 -- history event, and for each unknown_outcome operation, the event that made it so; a
 -- settled 1% also left unknown_outcome (half by the reconciler, half by a person).
@@ -92,7 +95,9 @@ explain "ops list --status unknown_outcome --tool tool_0" "$list WHERE status = 
 live=$(psql -tAq "$url" -c "SELECT string_agg(quote_literal(s), ', ') FROM unnest(ARRAY['awaiting_approval','pending_dispatch','dispatched','acknowledged','failed_retryable','unknown_outcome','needs_attention','compensating']) s")
 explain "/metrics stats: live operations" "SELECT tool, side_effect_class, status, COUNT(*) AS n, MIN(CASE WHEN status = 'unknown_outcome' THEN COALESCE(unknown_since, updated_at) ELSE updated_at END) AS oldest FROM operation_state WHERE status IN ($live) GROUP BY 1, 2, 3"
 explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue GROUP BY state"
-explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL"
+# The relay backlog reads from the relay floor with sequential scans off (postgres.rs, stats).
+PGOPTIONS="-c enable_seqscan=off" explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE id >= (SELECT floor FROM result_relay_floor) AND published_at IS NULL"
+explain "reaper: results published before the retention cut (7 days)" "SELECT count(*) FROM result_outbox WHERE created_at < now() - interval '7 days' AND published_at < now() - interval '7 days'"
 # The claim runs with sequential scans and sorts off for its transaction (postgres.rs, Planner::Claim).
 PGOPTIONS="-c enable_seqscan=off -c enable_sort=off" explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.state IN ('waiting', 'inflight', 'held') AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state <> 'waiting' OR (p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
 # The console (crates/opgate-store common.rs: DECISIONS_SQL, unknown_*_sql, RESULTS_SQL;

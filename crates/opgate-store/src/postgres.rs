@@ -203,7 +203,7 @@ impl PgTx {
     }
 
     /// Takes the relay's turn: one transaction at a time on the database may take result
-    /// rows (a transaction-scoped advisory lock, tried, never waited for; false if another
+    /// rows (a transaction-scoped advisory lock, tried, never waited for; `None` if another
     /// holds it). The turn ends with the transaction, and a transaction that idles longer
     /// than `lease` (a relay hung in its publish) is ended by the server, so its turn
     /// and its rows pass to another relay after the lease, as a written lease would.
@@ -213,16 +213,67 @@ impl PgTx {
     /// operation's rows in order); the others stand by. One relay kept up with the
     /// dispatch path in the benchmarks and fell behind by a few seconds only in an
     /// ingest burst (BENCHMARKS.md, "Session of 2026-12-02").
-    async fn take_relay_turn(&mut self, lease: Duration) -> Result<bool> {
-        let (_, turn): (String, bool) = sqlx::query_as(
-            "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-             pg_try_advisory_xact_lock($2, 0)",
+    ///
+    /// With the turn comes the highest result id handed out so far, read before anything
+    /// else in the transaction: the next fence of the relay floor
+    /// ([`PgTx::raise_relay_floor`]). The turn's reads walk the primary key from the
+    /// floor, so the turn plans as the hot path does ([`Planner::Keyed`]: no sequential
+    /// scans, no JIT, generic plans).
+    async fn take_relay_turn(&mut self, lease: Duration) -> Result<Option<i64>> {
+        let sql = format!(
+            "SELECT pg_try_advisory_xact_lock($2, 0), \
+             (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
+              FROM result_outbox_id_seq) \
+             FROM (SELECT set_config('idle_in_transaction_session_timeout', $1, true){}) AS p",
+            Planner::Keyed.settings()
+        );
+        let (turn, handed_out): (bool, i64) = sqlx::query_as(&sql)
+            .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
+            .bind(RELAY_TURN)
+            .fetch_one(&mut *self.0)
+            .await?;
+        Ok(turn.then_some(handed_out))
+    }
+
+    /// Raises the relay floor (migration 0010): every result row below
+    /// `result_relay_floor.floor` is published and no running transaction can still
+    /// commit one there, so the relay's reads start at the floor rather than at an index
+    /// naming `published_at` (whose every mark would rewrite each of the table's indexes).
+    ///
+    /// The floor can pass only ids whose writers have all ended. The fence stored by an
+    /// earlier turn says which: `fence_id`, the highest id handed out when that turn began,
+    /// and `fence_xid`, that turn's own transaction id, taken after it. A writer takes its
+    /// xid before its first result id ([`PgTx::insert_outbox_batch`]), so every writer
+    /// holding an id up to `fence_id` has an xid below `fence_xid`; once the oldest running
+    /// transaction is no older than `fence_xid`, they have all committed or rolled back, and
+    /// this statement's snapshot sees every row up to the fence that will ever exist. The
+    /// floor then moves to the lowest unpublished id up to the fence (a row this relay
+    /// only leased, or another relay's lease, or one that failed to publish, holds it), or
+    /// just past the fence; and this turn's fence replaces the old one. A fence not yet
+    /// passed stays, and the floor with it; one from the future (a dump restored into
+    /// another server, whose xids start lower) is replaced, the floor left where it is.
+    /// Called by a turn that took rows, after they are marked or leased, with what
+    /// [`PgTx::take_relay_turn`] read; the turn's own transaction id becomes the new
+    /// fence's (a turn that takes nothing writes nothing and takes no xid).
+    async fn raise_relay_floor(&mut self, handed_out: i64) -> Result<()> {
+        sqlx::query(
+            "UPDATE result_relay_floor AS f SET \
+               floor = CASE WHEN passed THEN GREATEST(f.floor, COALESCE( \
+                 (SELECT min(r.id) FROM result_outbox r \
+                  WHERE r.id >= f.floor AND r.id <= f.fence_id AND r.published_at IS NULL), \
+                 f.fence_id + 1)) ELSE f.floor END, \
+               fence_id = CASE WHEN passed OR renew THEN $1 ELSE f.fence_id END, \
+               fence_xid = CASE WHEN passed OR renew THEN pg_current_xact_id() \
+                 ELSE f.fence_xid END \
+             FROM (SELECT fence_xid IS NOT NULL \
+                     AND fence_xid <= pg_snapshot_xmin(pg_current_snapshot()) AS passed, \
+                   fence_xid IS NULL OR fence_xid > pg_current_xact_id() AS renew \
+                   FROM result_relay_floor) AS p",
         )
-        .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
-        .bind(RELAY_TURN)
-        .fetch_one(&mut *self.0)
+        .bind(handed_out)
+        .execute(&mut *self.0)
         .await?;
-        Ok(turn)
+        Ok(())
     }
 
     /// The result rows a relay may take now (the caller holds the relay's turn):
@@ -236,7 +287,9 @@ impl PgTx {
             "SELECT id, operation_id, seq, status, kafka_key, payload::text AS payload, \
              traceparent, \
              COALESCE(claimed_until >= now(), false) AS leased \
-             FROM result_outbox WHERE published_at IS NULL ORDER BY id LIMIT $1",
+             FROM result_outbox \
+             WHERE id >= (SELECT floor FROM result_relay_floor) AND published_at IS NULL \
+             ORDER BY id LIMIT $1",
         )
         .bind(limit as i64)
         .fetch_all(&mut *self.0)
@@ -528,6 +581,14 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
         .bind(column(ops, |o| o.updated_at))
         .bind(column(ops, |o| o.ambiguous_since))
 }
+
+/// Result rows, each with the next id of `result_outbox_id_seq`, once the transaction has
+/// its xid ([`PgTx::insert_outbox_batch`]).
+const INSERT_OUTBOX: &str = "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, \
+    payload, traceparent, created_at) \
+    SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[]::json[], \
+    $6::text[], $7::timestamptz[]) \
+    WHERE pg_current_xact_id() IS NOT NULL";
 
 /// The advisory lock of the relay's turn ([`PgTx::take_relay_turn`]), in the two-key space
 /// (`lock_entity` takes single-key locks, so no entity's hash can collide with it).
@@ -954,25 +1015,24 @@ impl Tx for PgTx {
         Ok(())
     }
 
+    /// The rows' transaction takes its xid (`pg_current_xact_id()`, in the scan's filter,
+    /// evaluated for each row before the row's projection draws its id) before the first
+    /// id: the relay floor's fence relies on it ([`PgTx::raise_relay_floor`]; a test
+    /// checks it on a transaction that wrote nothing before).
     async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
-        sqlx::query(
-            "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, traceparent, \
-             created_at) \
-             SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], \
-             $5::text[]::json[], $6::text[], $7::timestamptz[])",
-        )
-        .bind(column(rows, |r| r.operation_id))
-        .bind(column(rows, |r| r.seq))
-        .bind(column(rows, |r| r.status.as_str()))
-        .bind(column(rows, |r| r.kafka_key.as_str()))
-        .bind(column(rows, |r| r.payload.as_str()))
-        .bind(column(rows, |r| r.traceparent.as_deref()))
-        .bind(column(rows, |r| r.at))
-        .execute(&mut *self.0)
-        .await?;
+        sqlx::query(INSERT_OUTBOX)
+            .bind(column(rows, |r| r.operation_id))
+            .bind(column(rows, |r| r.seq))
+            .bind(column(rows, |r| r.status.as_str()))
+            .bind(column(rows, |r| r.kafka_key.as_str()))
+            .bind(column(rows, |r| r.payload.as_str()))
+            .bind(column(rows, |r| r.traceparent.as_deref()))
+            .bind(column(rows, |r| r.at))
+            .execute(&mut *self.0)
+            .await?;
         Ok(())
     }
 
@@ -1152,10 +1212,13 @@ impl Ledger for PgLedger {
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
         in_tx!(self, |tx| {
-            if !tx.take_relay_turn(request.lease).await? {
+            let Some(handed_out) = tx.take_relay_turn(request.lease).await? else {
                 return Ok(Vec::new());
-            }
+            };
             let rows = tx.pick_results(request.limit).await?;
+            if rows.is_empty() {
+                return Ok(rows);
+            }
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             sqlx::query(
                 "UPDATE result_outbox SET claimed_by = $1, claimed_until = now() + $2 * interval '1 millisecond' \
@@ -1166,6 +1229,7 @@ impl Ledger for PgLedger {
             .bind(&ids)
             .execute(&mut *tx.0)
             .await?;
+            tx.raise_relay_floor(handed_out).await?;
             rows
         })
     }
@@ -1178,13 +1242,13 @@ impl Ledger for PgLedger {
         // Not retried as a whole: a failure leaves the rows unpublished for a later round
         // (the broker may have them already; consumers dedupe on seq).
         let mut tx = self.begin().await?;
-        if !tx.take_relay_turn(request.lease).await? {
+        let Some(handed_out) = tx.take_relay_turn(request.lease).await? else {
             tx.0.commit().await?;
             return Ok(RelayRound {
                 standby: true,
                 ..RelayRound::default()
             });
-        }
+        };
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
             tx.0.commit().await?;
@@ -1198,6 +1262,7 @@ impl Ledger for PgLedger {
         .bind(&acked)
         .execute(&mut *tx.0)
         .await?;
+        tx.raise_relay_floor(handed_out).await?;
         tx.0.commit().await?;
         Ok(RelayRound {
             taken,
@@ -1369,8 +1434,11 @@ impl Ledger for PgLedger {
             .execute(&mut *tx.0)
             .await?
             .rows_affected();
+            // A row is written before it is published: `created_at` narrows the search
+            // to old rows (the block-range index of migration 0010), `published_at` decides.
             let results = sqlx::query(
-                "DELETE FROM result_outbox WHERE published_at < now() - $1 * interval '1 millisecond'",
+                "DELETE FROM result_outbox WHERE created_at < now() - $1 * interval '1 millisecond' \
+                 AND published_at < now() - $1 * interval '1 millisecond'",
             )
             .bind(ms)
             .execute(&mut *tx.0)
@@ -1399,14 +1467,20 @@ impl Ledger for PgLedger {
         let queue = sqlx::query_as::<_, (String, i64)>(QUEUE_DEPTH_SQL)
             .fetch_all(&self.pool)
             .await?;
-        let (relay_pending, relay_oldest, now) = sqlx::query_as::<
-            _,
-            (i64, Option<OffsetDateTime>, OffsetDateTime),
-        >(
-            "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE published_at IS NULL",
-        )
-        .fetch_one(&self.pool)
-        .await?;
+        // The unpublished rows lie at or above the relay floor (migration 0010): a walk of
+        // the primary key from it, never of the table (the floor is a parameter to the
+        // planner, so this read plans as the hot path does, `Planner::Keyed`).
+        let (relay_pending, relay_oldest, now) = in_tx!(self, |tx| {
+            sqlx::query(&format!("SELECT NULL{}", Planner::Keyed.settings()))
+                .execute(&mut *tx.0)
+                .await?;
+            sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime)>(
+                "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox \
+                 WHERE id >= (SELECT floor FROM result_relay_floor) AND published_at IS NULL",
+            )
+            .fetch_one(&mut *tx.0)
+            .await?
+        })?;
         Ok(LedgerStats {
             live,
             queue,
@@ -1724,6 +1798,137 @@ mod tests {
         before.run(ledger.pool()).await?;
         let _ = std::fs::remove_dir_all(&dir);
         Ok((ledger, schema))
+    }
+
+    /// The relay floor (migration 0010) never passes a result row whose transaction is
+    /// still running: a row that takes its id first and commits last, behind rows relayed
+    /// meanwhile in rounds that raise the floor, is still relayed once it commits, and only
+    /// then does the floor pass it. The backlog gauge reads from the floor. And the outbox
+    /// insert takes the transaction's xid before a row's id (the plan evaluates the filter
+    /// below the projection that draws the id), which the floor's fence relies on.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn the_relay_floor_never_passes_a_result_whose_transaction_is_still_running() -> Result<()>
+    {
+        let (ledger, _schema) = fresh_ledger().await?;
+        let row = |seq: i64| NewOutbox {
+            operation_id: None,
+            seq,
+            status: "rejected".into(),
+            kafka_key: format!("k{seq}"),
+            payload: format!("{{\"seq\":{seq}}}"),
+            traceparent: None,
+            at: OffsetDateTime::now_utc(),
+        };
+        let published = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+        let request = ClaimRequest {
+            owner: "relay".into(),
+            lease: Duration::from_secs(30),
+            limit: 100,
+            ..Default::default()
+        };
+        // One committed row, then one relay round: what a busy relay does each time.
+        let write_and_relay = |seq: i64| {
+            let (ledger, published, request) = (&ledger, published.clone(), &request);
+            async move {
+                let mut tx = ledger.begin().await?;
+                tx.insert_outbox_batch(&[row(seq)]).await?;
+                tx.0.commit().await?;
+                let publish: crate::Publish<'static> = Box::new(move |rows| {
+                    Box::pin(async move {
+                        let mut seen = published.lock().expect("published");
+                        seen.extend(rows.iter().map(|r| r.seq));
+                        rows.iter().map(|r| r.id).collect()
+                    })
+                });
+                ledger.relay_round(request, publish).await
+            }
+        };
+        let floor = || async {
+            Ok::<i64, Error>(
+                sqlx::query_scalar("SELECT floor FROM result_relay_floor")
+                    .fetch_one(&ledger.pool)
+                    .await?,
+            )
+        };
+        // Raised by a relay that keeps up (another test's transaction may hold the fence
+        // back for a moment: the fence waits for every older transaction on the server).
+        let raised_past = |id: i64, mut seq: i64| {
+            let write_and_relay = &write_and_relay;
+            async move {
+                for _ in 0..200 {
+                    if floor().await? > id {
+                        return Ok::<i64, Error>(seq);
+                    }
+                    seq += 1;
+                    write_and_relay(seq).await?;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(Error::Corrupt(format!("the floor never passed {id}")))
+            }
+        };
+        let mut seq = 0;
+        for _ in 0..3 {
+            seq += 1;
+            write_and_relay(seq).await?;
+        }
+        seq = raised_past(1, seq).await?;
+
+        // A transaction whose first write is a result row: it has its xid before the id.
+        let mut late = ledger.begin().await?;
+        late.insert_outbox_batch(&[row(1000)]).await?;
+        let (late_id, xid_first): (i64, bool) = sqlx::query_as(
+            "SELECT max(id), pg_current_xact_id_if_assigned() IS NOT NULL FROM result_outbox",
+        )
+        .fetch_one(&mut *late.0)
+        .await?;
+        assert!(xid_first);
+        let floor_before = floor().await?;
+        assert!(floor_before <= late_id);
+        for _ in 0..5 {
+            seq += 1;
+            write_and_relay(seq).await?;
+        }
+        assert!(
+            floor().await? <= late_id,
+            "the floor passed a row whose transaction is still running"
+        );
+        assert!(!published.lock().expect("published").contains(&1000));
+        assert_eq!(ledger.stats().await?.relay_pending, 0);
+
+        late.0.commit().await?;
+        assert_eq!(ledger.stats().await?.relay_pending, 1);
+        raised_past(late_id, seq).await?;
+        let seen = published.lock().expect("published").clone();
+        assert_eq!(seen.iter().filter(|&&s| s == 1000).count(), 1, "{seen:?}");
+        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM result_outbox")
+            .fetch_one(&ledger.pool)
+            .await?;
+        assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
+        assert_eq!(ledger.stats().await?.relay_pending, 0);
+
+        // The plan: the xid filter sits below the projection that draws the id.
+        let mut tx = ledger.begin().await?;
+        sqlx::query(&format!("PREPARE outbox_plan AS {INSERT_OUTBOX}"))
+            .execute(&mut *tx.0)
+            .await?;
+        let plan: Vec<String> = sqlx::query_scalar(
+            "EXPLAIN VERBOSE EXECUTE outbox_plan('{}', '{}', '{}', '{}', '{}', '{}', '{}')",
+        )
+        .fetch_all(&mut *tx.0)
+        .await?;
+        let line = |needle: &str| plan.iter().position(|l| l.contains(needle));
+        let (Some(id), Some(filter)) = (
+            line("nextval('result_outbox_id_seq'"),
+            line("Filter: (pg_current_xact_id() IS NOT NULL)"),
+        ) else {
+            panic!("unexpected plan: {plan:#?}");
+        };
+        assert!(
+            id < filter,
+            "the xid filter must run before the id is drawn: {plan:#?}"
+        );
+        Ok(())
     }
 
     /// A test schema, dropped with its contents at the end of the test.
