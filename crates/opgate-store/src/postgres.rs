@@ -284,14 +284,12 @@ impl PgTx {
     /// one. An operation's earlier rows have lower ids and were committed before its
     /// later ones were written, so one read in id order sees all that precede a row.
     async fn pick_results(&mut self, limit: usize) -> Result<Vec<OutboxRow>> {
-        let rows = sqlx::query(
+        let rows = sqlx::query(&format!(
             "SELECT id, operation_id, seq, status, kafka_key, payload::text AS payload, \
              traceparent, \
              COALESCE(claimed_until >= now(), false) AS leased \
-             FROM result_outbox \
-             WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL \
-             ORDER BY id LIMIT $1",
-        )
+             FROM result_outbox {UNPUBLISHED} ORDER BY id LIMIT $1"
+        ))
         .bind(limit as i64)
         .fetch_all(&mut *self.0)
         .await?;
@@ -582,6 +580,11 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
         .bind(column(ops, |o| o.updated_at))
         .bind(column(ops, |o| o.ambiguous_since))
 }
+
+/// The unpublished result rows: at or above the relay floor ([`PgTx::raise_relay_floor`]);
+/// without its row (never after migration 0010), from the first id, slowly but whole.
+const UNPUBLISHED: &str =
+    "WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL";
 
 /// Result rows, each with the next id of `result_outbox_id_seq`, once the transaction has
 /// its xid ([`PgTx::insert_outbox_batch`]).
@@ -1016,9 +1019,8 @@ impl Tx for PgTx {
         Ok(())
     }
 
-    /// The rows' transaction takes its xid (`pg_current_xact_id()`, in the scan's filter,
-    /// evaluated for each row before the row's projection draws its id) before the first
-    /// id: the relay floor's fence relies on it ([`PgTx::raise_relay_floor`]; a test
+    /// The rows' transaction takes its xid (`pg_current_xact_id()`, a filter the plan
+    /// evaluates before the projection that draws each row's id) before the first id: the relay floor's fence relies on it ([`PgTx::raise_relay_floor`]; a test
     /// checks it on a transaction that wrote nothing before).
     async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {
         if rows.is_empty() {
@@ -1436,7 +1438,7 @@ impl Ledger for PgLedger {
             .await?
             .rows_affected();
             // A row is written before it is published: `created_at` narrows the search
-            // to old rows (the block-range index of migration 0010), `published_at` decides.
+            // to old rows (its index, migration 0010), `published_at` decides.
             let results = sqlx::query(
                 "DELETE FROM result_outbox WHERE created_at < now() - $1 * interval '1 millisecond' \
                  AND published_at < now() - $1 * interval '1 millisecond'",
@@ -1475,10 +1477,9 @@ impl Ledger for PgLedger {
             sqlx::query(&format!("SELECT NULL{}", Planner::Keyed.settings()))
                 .execute(&mut *tx.0)
                 .await?;
-            sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime)>(
-                "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox \
-                 WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL",
-            )
+            sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime)>(&format!(
+                "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox {UNPUBLISHED}"
+            ))
             .fetch_one(&mut *tx.0)
             .await?
         })?;
@@ -1930,6 +1931,128 @@ mod tests {
             id < filter,
             "the xid filter must run before the id is drawn: {plan:#?}"
         );
+        Ok(())
+    }
+
+    /// The relay floor waits for every row that is not published yet, whatever kept it
+    /// back: a row whose publish failed in two rounds in a row, while later rows were
+    /// published and the floor raised round after round, and a row leased by
+    /// `claim_results` whose lease then ran out. Each is published once, later, and only
+    /// then does the floor pass it.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn the_relay_floor_waits_for_a_failed_publish_and_an_expired_lease() -> Result<()> {
+        let (ledger, _schema) = fresh_ledger().await?;
+        let ledger = &ledger;
+        let row = |seq: i64| NewOutbox {
+            operation_id: Some(Uuid::now_v7()),
+            seq,
+            status: "accepted".into(),
+            kafka_key: format!("k{seq}"),
+            payload: format!("{{\"seq\":{seq}}}"),
+            traceparent: None,
+            at: OffsetDateTime::now_utc(),
+        };
+        let request = |owner: &str, lease_ms: u64| ClaimRequest {
+            owner: owner.into(),
+            lease: Duration::from_millis(lease_ms),
+            limit: 100,
+            ..Default::default()
+        };
+        let published = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+        // The broker refuses seq 1 this many more times.
+        let refusals = Arc::new(std::sync::atomic::AtomicUsize::new(2));
+        let write = move |seq: i64| async move {
+            let mut tx = ledger.begin().await?;
+            tx.insert_outbox_batch(&[row(seq)]).await?;
+            tx.0.commit().await?;
+            Ok::<i64, Error>(
+                sqlx::query_scalar("SELECT max(id) FROM result_outbox")
+                    .fetch_one(&ledger.pool)
+                    .await?,
+            )
+        };
+        let relay = || {
+            let (published, refusals) = (published.clone(), refusals.clone());
+            let publish: crate::Publish<'static> = Box::new(move |rows| {
+                Box::pin(async move {
+                    let mut acked = Vec::new();
+                    for r in &rows {
+                        if r.seq == 1
+                            && refusals
+                                .fetch_update(
+                                    std::sync::atomic::Ordering::SeqCst,
+                                    std::sync::atomic::Ordering::SeqCst,
+                                    |n| n.checked_sub(1),
+                                )
+                                .is_ok()
+                        {
+                            continue;
+                        }
+                        published.lock().expect("published").push(r.seq);
+                        acked.push(r.id);
+                    }
+                    acked
+                })
+            });
+            async move { ledger.relay_round(&request("relay", 30_000), publish).await }
+        };
+        let floor = || async {
+            Ok::<i64, Error>(
+                sqlx::query_scalar("SELECT floor FROM result_relay_floor")
+                    .fetch_one(&ledger.pool)
+                    .await?,
+            )
+        };
+
+        // Two faults in a row: seq 1 is refused by the first two rounds.
+        let refused_id = write(1).await?;
+        let mut seq = 1;
+        for _ in 0..6 {
+            seq += 1;
+            write(seq).await?;
+            relay().await?;
+        }
+        assert_eq!(refusals.load(std::sync::atomic::Ordering::SeqCst), 0);
+        let seen = published.lock().expect("published").clone();
+        assert_eq!(seen.iter().filter(|&&s| s == 1).count(), 1, "{seen:?}");
+
+        // A lease that runs out: another relay leases a row and never marks it.
+        let leased_id = write(500).await?;
+        let leased = ledger.claim_results(&request("stalled", 200)).await?;
+        assert_eq!(leased.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![500]);
+        for _ in 0..6 {
+            seq += 1;
+            write(seq).await?;
+            relay().await?;
+            assert!(floor().await? <= leased_id, "the floor passed a leased row");
+        }
+        assert!(!published.lock().expect("published").contains(&500));
+        assert!(
+            floor().await? > refused_id,
+            "the floor stayed below a published row"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for _ in 0..200 {
+            if floor().await? > leased_id {
+                break;
+            }
+            seq += 1;
+            write(seq).await?;
+            relay().await?;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            floor().await? > leased_id,
+            "the floor never passed the lease"
+        );
+        let seen = published.lock().expect("published").clone();
+        assert_eq!(seen.iter().filter(|&&s| s == 500).count(), 1, "{seen:?}");
+        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM result_outbox")
+            .fetch_one(&ledger.pool)
+            .await?;
+        assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
+        assert_eq!(ledger.stats().await?.relay_pending, 0);
         Ok(())
     }
 
