@@ -97,7 +97,8 @@ explain "/metrics stats: live operations" "SELECT tool, side_effect_class, statu
 explain "/metrics stats: queue depth" "SELECT state, COUNT(*) FROM dispatch_queue GROUP BY state"
 # The relay backlog reads from the relay floor with sequential scans and JIT off (postgres.rs, stats).
 PGOPTIONS="-c enable_seqscan=off -c jit=off" explain "/metrics stats: relay backlog" "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL"
-explain "reaper: results published before the retention cut (7 days)" "SELECT count(*) FROM result_outbox WHERE created_at < now() - interval '7 days' AND published_at < now() - interval '7 days'"
+# The reaper's walk (postgres.rs, reap) as a count, with its transaction's settings.
+PGOPTIONS="-c enable_seqscan=off -c jit=off" explain "reaper: results published before the retention cut (7 days)" "SELECT count(*) FROM result_outbox WHERE id < COALESCE((SELECT id FROM result_outbox WHERE created_at >= now() - interval '7 days' ORDER BY id LIMIT 1), 9223372036854775807) AND published_at < now() - interval '7 days'"
 # The claim runs with sequential scans and sorts off for its transaction (postgres.rs, Planner::Claim).
 PGOPTIONS="-c enable_seqscan=off -c enable_sort=off" explain "dispatcher claim" "SELECT q.operation_id, q.tool FROM dispatch_queue q WHERE q.state = 'waiting' AND q.ready_at <= now() AND NOT (q.tool = ANY('{}'::text[])) AND (q.is_read OR NOT EXISTS (SELECT 1 FROM dispatch_queue p WHERE p.entity_key = q.entity_key AND NOT p.is_read AND p.state IN ('waiting', 'inflight', 'held') AND p.operation_id <> q.operation_id AND (q.compensates IS NULL OR p.operation_id <> q.compensates) AND (p.state <> 'waiting' OR (p.seq < q.seq AND q.compensates IS NULL)))) ORDER BY q.ready_at, q.seq LIMIT 16 FOR UPDATE OF q SKIP LOCKED"
 # The console (crates/opgate-store common.rs: DECISIONS_SQL, unknown_*_sql, RESULTS_SQL;

@@ -35,13 +35,12 @@ SELECT COALESCE(
 ALTER SEQUENCE result_outbox_id_seq CACHE 1;
 
 DROP INDEX result_outbox_pending;
--- The reaper deletes rows published before the retention cut; a row is written before it
--- is published, so the rows it looks for were created before the cut too, and an index
--- on `created_at` (written once, never updated) finds them without naming
--- `published_at`. (A block-range index would cost less per insert, but once the reaper
--- has freed space in old pages, new rows land there and every range spans old times.)
+-- The reaper deletes rows published before the retention cut. Rows are appended in id
+-- order as time goes, so it walks the primary key from the oldest row up to the first
+-- one written after the cut (postgres.rs, `reap`): no index on a time at all. (An index on
+-- `created_at` costs an entry per row; a block-range one degrades once the reaper has
+-- freed space in old pages, where new rows then land.)
 DROP INDEX result_outbox_published;
-CREATE INDEX result_outbox_created ON result_outbox (created_at);
 
 -- Half of each new page left free: a row's mark (and a lease's) fits beside it.
 ALTER TABLE result_outbox SET (fillfactor = 50);

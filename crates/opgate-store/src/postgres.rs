@@ -189,6 +189,15 @@ impl Planner {
 }
 
 impl PgTx {
+    /// Plans the rest of the transaction with these settings, in a round trip of its own
+    /// (for reads that do not begin with the clock read that carries them, [`Tx::now`]).
+    async fn plan_as(&mut self, planner: Planner) -> Result<()> {
+        sqlx::query(&format!("SELECT NULL{}", planner.settings()))
+            .execute(&mut *self.0)
+            .await?;
+        Ok(())
+    }
+
     /// Tells the other processes' listeners, on commit, that the ledger changed, unless
     /// the transaction's clock read did already.
     async fn announce(&mut self) -> Result<()> {
@@ -1437,10 +1446,18 @@ impl Ledger for PgLedger {
             .execute(&mut *tx.0)
             .await?
             .rows_affected();
-            // A row is written before it is published: `created_at` narrows the search
-            // to old rows (its index, migration 0010), `published_at` decides.
+            // Result rows are appended in id order as time goes, and no index names a time
+            // (a mark must stay a heap-only update, migration 0010): the walk goes up the
+            // primary key from the oldest row to the first one written after the cut, and
+            // deletes what was published before it, reading about as many rows as it
+            // deletes. A row is written before it is published, so a row written after
+            // the cut was published after it too; `published_at` decides.
+            tx.plan_as(Planner::Keyed).await?;
             let results = sqlx::query(
-                "DELETE FROM result_outbox WHERE created_at < now() - $1 * interval '1 millisecond' \
+                "DELETE FROM result_outbox \
+                 WHERE id < COALESCE((SELECT id FROM result_outbox \
+                   WHERE created_at >= now() - $1 * interval '1 millisecond' \
+                   ORDER BY id LIMIT 1), 9223372036854775807) \
                  AND published_at < now() - $1 * interval '1 millisecond'",
             )
             .bind(ms)
@@ -1474,9 +1491,7 @@ impl Ledger for PgLedger {
         // the primary key from it, never of the table (the floor is a parameter to the
         // planner, so this read plans as the hot path does, `Planner::Keyed`).
         let (relay_pending, relay_oldest, now) = in_tx!(self, |tx| {
-            sqlx::query(&format!("SELECT NULL{}", Planner::Keyed.settings()))
-                .execute(&mut *tx.0)
-                .await?;
+            tx.plan_as(Planner::Keyed).await?;
             sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime)>(&format!(
                 "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox {UNPUBLISHED}"
             ))
@@ -2053,6 +2068,52 @@ mod tests {
             .await?;
         assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
         assert_eq!(ledger.stats().await?.relay_pending, 0);
+        Ok(())
+    }
+
+    /// The reaper's walk up the primary key (migration 0010 left no index on a time):
+    /// it deletes a result published before the cut, keeps one written before the cut
+    /// but never published, and stops at the first row written after the cut, which it
+    /// keeps though published.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn the_reaper_walks_to_the_cut_and_keeps_what_is_unpublished() -> Result<()> {
+        let (ledger, _schema) = fresh_ledger().await?;
+        let write = |seq: i64| {
+            let ledger = &ledger;
+            async move {
+                let mut tx = ledger.begin().await?;
+                let at = tx.now().await?;
+                tx.insert_outbox_batch(&[NewOutbox {
+                    operation_id: None,
+                    seq,
+                    status: "rejected".into(),
+                    kafka_key: format!("k{seq}"),
+                    payload: "{}".into(),
+                    traceparent: None,
+                    at,
+                }])
+                .await?;
+                tx.0.commit().await?;
+                Ok::<i64, Error>(
+                    sqlx::query_scalar("SELECT max(id) FROM result_outbox")
+                        .fetch_one(&ledger.pool)
+                        .await?,
+                )
+            }
+        };
+        let old_published = write(1).await?;
+        let old_unpublished = write(2).await?;
+        ledger.mark_published(&[old_published]).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let young = write(3).await?;
+        ledger.mark_published(&[young]).await?;
+        let stats = ledger.reap(Duration::from_millis(150)).await?;
+        assert_eq!(stats.results, 1);
+        let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM result_outbox ORDER BY id")
+            .fetch_all(&ledger.pool)
+            .await?;
+        assert_eq!(left, vec![old_unpublished, young]);
         Ok(())
     }
 
