@@ -1817,6 +1817,40 @@ mod tests {
         Ok((ledger, schema))
     }
 
+    /// A result row for the relay floor's tests: its payload names its seq.
+    #[cfg(feature = "integration")]
+    fn outbox_row(seq: i64, operation_id: Option<Uuid>, at: OffsetDateTime) -> NewOutbox {
+        NewOutbox {
+            operation_id,
+            seq,
+            status: "accepted".into(),
+            kafka_key: format!("k{seq}"),
+            payload: format!("{{\"seq\":{seq}}}"),
+            traceparent: None,
+            at,
+        }
+    }
+
+    #[cfg(feature = "integration")]
+    async fn relay_floor(ledger: &PgLedger) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT floor FROM result_relay_floor")
+            .fetch_one(&ledger.pool)
+            .await?)
+    }
+
+    /// `seen` (the seqs published, in order) holds `seq` once and as many rows as the
+    /// table: every row relayed once; and the backlog gauge says none is left.
+    #[cfg(feature = "integration")]
+    async fn relayed_once_each(ledger: &PgLedger, seen: &[i64], seq: i64) -> Result<()> {
+        assert_eq!(seen.iter().filter(|&&s| s == seq).count(), 1, "{seen:?}");
+        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM result_outbox")
+            .fetch_one(&ledger.pool)
+            .await?;
+        assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
+        assert_eq!(ledger.stats().await?.relay_pending, 0);
+        Ok(())
+    }
+
     /// The relay floor (migration 0010) never passes a result row whose transaction is
     /// still running: a row that takes its id first and commits last, behind rows relayed
     /// meanwhile in rounds that raise the floor, is still relayed once it commits, and only
@@ -1828,15 +1862,7 @@ mod tests {
     async fn the_relay_floor_never_passes_a_result_whose_transaction_is_still_running() -> Result<()>
     {
         let (ledger, _schema) = fresh_ledger().await?;
-        let row = |seq: i64| NewOutbox {
-            operation_id: None,
-            seq,
-            status: "rejected".into(),
-            kafka_key: format!("k{seq}"),
-            payload: format!("{{\"seq\":{seq}}}"),
-            traceparent: None,
-            at: OffsetDateTime::now_utc(),
-        };
+        let row = |seq: i64| outbox_row(seq, None, OffsetDateTime::now_utc());
         let published = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
         let request = ClaimRequest {
             owner: "relay".into(),
@@ -1861,13 +1887,7 @@ mod tests {
                 ledger.relay_round(request, publish).await
             }
         };
-        let floor = || async {
-            Ok::<i64, Error>(
-                sqlx::query_scalar("SELECT floor FROM result_relay_floor")
-                    .fetch_one(&ledger.pool)
-                    .await?,
-            )
-        };
+        let floor = || relay_floor(&ledger);
         // Raised by a relay that keeps up (another test's transaction may hold the fence
         // back for a moment: the fence waits for every older transaction on the server).
         let raised_past = |id: i64, mut seq: i64| {
@@ -1914,12 +1934,7 @@ mod tests {
         assert_eq!(ledger.stats().await?.relay_pending, 1);
         raised_past(late_id, seq).await?;
         let seen = published.lock().expect("published").clone();
-        assert_eq!(seen.iter().filter(|&&s| s == 1000).count(), 1, "{seen:?}");
-        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM result_outbox")
-            .fetch_one(&ledger.pool)
-            .await?;
-        assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
-        assert_eq!(ledger.stats().await?.relay_pending, 0);
+        relayed_once_each(&ledger, &seen, 1000).await?;
 
         // The plan: the xid filter sits below the projection that draws the id.
         // The generic plan, as the hot path runs it (`plan_cache_mode`).
@@ -1959,15 +1974,7 @@ mod tests {
     async fn the_relay_floor_waits_for_a_failed_publish_and_an_expired_lease() -> Result<()> {
         let (ledger, _schema) = fresh_ledger().await?;
         let ledger = &ledger;
-        let row = |seq: i64| NewOutbox {
-            operation_id: Some(Uuid::now_v7()),
-            seq,
-            status: "accepted".into(),
-            kafka_key: format!("k{seq}"),
-            payload: format!("{{\"seq\":{seq}}}"),
-            traceparent: None,
-            at: OffsetDateTime::now_utc(),
-        };
+        let row = |seq: i64| outbox_row(seq, Some(Uuid::now_v7()), OffsetDateTime::now_utc());
         let request = |owner: &str, lease_ms: u64| ClaimRequest {
             owner: owner.into(),
             lease: Duration::from_millis(lease_ms),
@@ -2012,13 +2019,7 @@ mod tests {
             });
             async move { ledger.relay_round(&request("relay", 30_000), publish).await }
         };
-        let floor = || async {
-            Ok::<i64, Error>(
-                sqlx::query_scalar("SELECT floor FROM result_relay_floor")
-                    .fetch_one(&ledger.pool)
-                    .await?,
-            )
-        };
+        let floor = || relay_floor(&ledger);
 
         // Two faults in a row: seq 1 is refused by the first two rounds.
         let refused_id = write(1).await?;
@@ -2062,12 +2063,7 @@ mod tests {
             "the floor never passed the lease"
         );
         let seen = published.lock().expect("published").clone();
-        assert_eq!(seen.iter().filter(|&&s| s == 500).count(), 1, "{seen:?}");
-        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM result_outbox")
-            .fetch_one(&ledger.pool)
-            .await?;
-        assert_eq!(seen.len() as i64, all, "every row relayed once: {seen:?}");
-        assert_eq!(ledger.stats().await?.relay_pending, 0);
+        relayed_once_each(&ledger, &seen, 500).await?;
         Ok(())
     }
 
@@ -2084,16 +2080,7 @@ mod tests {
             async move {
                 let mut tx = ledger.begin().await?;
                 let at = tx.now().await?;
-                tx.insert_outbox_batch(&[NewOutbox {
-                    operation_id: None,
-                    seq,
-                    status: "rejected".into(),
-                    kafka_key: format!("k{seq}"),
-                    payload: "{}".into(),
-                    traceparent: None,
-                    at,
-                }])
-                .await?;
+                tx.insert_outbox_batch(&[outbox_row(seq, None, at)]).await?;
                 tx.0.commit().await?;
                 Ok::<i64, Error>(
                     sqlx::query_scalar("SELECT max(id) FROM result_outbox")
