@@ -2019,7 +2019,7 @@ mod tests {
             });
             async move { ledger.relay_round(&request("relay", 30_000), publish).await }
         };
-        let floor = || relay_floor(&ledger);
+        let floor = || relay_floor(ledger);
 
         // Two faults in a row: seq 1 is refused by the first two rounds.
         let refused_id = write(1).await?;
@@ -2063,7 +2063,7 @@ mod tests {
             "the floor never passed the lease"
         );
         let seen = published.lock().expect("published").clone();
-        relayed_once_each(&ledger, &seen, 500).await?;
+        relayed_once_each(ledger, &seen, 500).await?;
         Ok(())
     }
 
