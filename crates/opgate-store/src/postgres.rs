@@ -252,7 +252,7 @@ impl PgTx {
     /// The floor can pass only ids whose writers have all ended. The fence stored by an
     /// earlier turn says which: `fence_id`, the highest id handed out when that turn began,
     /// and `fence_xid`, that turn's own transaction id, taken after it. A writer takes its
-    /// xid before its first result id ([`PgTx::insert_outbox_batch`]), so every writer
+    /// xid before its first result id (migration 0011: a trigger on every insert), so every writer
     /// holding an id up to `fence_id` has an xid below `fence_xid`; once the oldest running
     /// transaction is no older than `fence_xid`, they have all committed or rolled back, and
     /// this statement's snapshot sees every row up to the fence that will ever exist. The
@@ -595,13 +595,12 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
 const UNPUBLISHED: &str =
     "WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL";
 
-/// Result rows, each with the next id of `result_outbox_id_seq`, once the transaction has
-/// its xid ([`PgTx::insert_outbox_batch`]).
+/// Result rows, each with the next id of `result_outbox_id_seq` (drawn after the
+/// transaction has its xid: migration 0011's trigger).
 const INSERT_OUTBOX: &str = "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, \
     payload, traceparent, created_at) \
     SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[]::json[], \
-    $6::text[], $7::timestamptz[]) \
-    WHERE pg_current_xact_id() IS NOT NULL";
+    $6::text[], $7::timestamptz[])";
 
 /// The advisory lock of the relay's turn ([`PgTx::take_relay_turn`]), in the two-key space
 /// (`lock_entity` takes single-key locks, so no entity's hash can collide with it).
@@ -1028,9 +1027,9 @@ impl Tx for PgTx {
         Ok(())
     }
 
-    /// The rows' transaction takes its xid (`pg_current_xact_id()`, a filter the plan
-    /// evaluates before the projection that draws each row's id) before the first id: the relay floor's fence relies on it ([`PgTx::raise_relay_floor`]; a test
-    /// checks it on a transaction that wrote nothing before).
+    /// The rows' transaction has its xid before the first id is drawn, as for every insert
+    /// into the table (migration 0011's statement trigger): the relay floor's fence relies
+    /// on it ([`PgTx::raise_relay_floor`]).
     async fn insert_outbox_batch(&mut self, rows: &[NewOutbox]) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
@@ -1854,9 +1853,10 @@ mod tests {
     /// The relay floor (migration 0010) never passes a result row whose transaction is
     /// still running: a row that takes its id first and commits last, behind rows relayed
     /// meanwhile in rounds that raise the floor, is still relayed once it commits, and only
-    /// then does the floor pass it. The backlog gauge reads from the floor. And the outbox
-    /// insert takes the transaction's xid before a row's id (the plan evaluates the filter
-    /// below the projection that draws the id), which the floor's fence relies on.
+    /// then does the floor pass it. The backlog gauge reads from the floor. The same holds
+    /// for a row written by any other insert, held between drawing its id and its first
+    /// write: the schema gives its transaction an xid first (migration 0011), which the
+    /// floor's fence relies on.
     #[cfg(feature = "integration")]
     #[tokio::test]
     async fn the_relay_floor_never_passes_a_result_whose_transaction_is_still_running() -> Result<()>
@@ -1932,35 +1932,81 @@ mod tests {
 
         late.0.commit().await?;
         assert_eq!(ledger.stats().await?.relay_pending, 1);
-        raised_past(late_id, seq).await?;
+        seq = raised_past(late_id, seq).await?;
         let seen = published.lock().expect("published").clone();
         relayed_once_each(&ledger, &seen, 1000).await?;
 
-        // The plan: the xid filter sits below the projection that draws the id.
-        // The generic plan, as the hot path runs it (`plan_cache_mode`).
-        let mut tx = ledger.begin().await?;
-        sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
-            .execute(&mut *tx.0)
+        // A row written by hand (not by the store's statement) that has drawn its id and
+        // waits before its first write: a trigger of this test holds it there until the
+        // advisory lock below is let go. Its transaction has its xid already (migration
+        // 0011's statement trigger), so no fence taken meanwhile can be passed.
+        let key = i64::from(Uuid::now_v7().as_u128() as u32 & 0x7fff_ffff);
+        for sql in [
+            format!(
+                "CREATE FUNCTION hold_row() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN PERFORM pg_advisory_xact_lock({key}); RETURN NEW; END $$"
+            ),
+            "CREATE TRIGGER hold_row BEFORE INSERT ON result_outbox FOR EACH ROW \
+             WHEN (NEW.seq = 7777) EXECUTE FUNCTION hold_row()"
+                .into(),
+        ] {
+            sqlx::query(&sql).execute(&ledger.pool).await?;
+        }
+        let mut holder = ledger.pool.acquire().await?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(key)
+            .execute(&mut *holder)
             .await?;
-        sqlx::query(&format!("PREPARE outbox_plan AS {INSERT_OUTBOX}"))
-            .execute(&mut *tx.0)
+        let pool = ledger.pool.clone();
+        let by_hand = tokio::spawn(async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query(
+                "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, payload, \
+                 created_at) VALUES (NULL, 7777, 'accepted', 'k7777', '{\"seq\":7777}', now())",
+            )
+            .execute(&mut *tx)
             .await?;
-        let plan: Vec<String> = sqlx::query_scalar(
-            "EXPLAIN VERBOSE EXECUTE outbox_plan('{}', '{}', '{}', '{}', '{}', '{}', '{}')",
-        )
-        .fetch_all(&mut *tx.0)
-        .await?;
-        let line = |needle: &str| plan.iter().position(|l| l.contains(needle));
-        let (Some(id), Some(filter)) = (
-            line("nextval('result_outbox_id_seq'"),
-            line("Filter: (pg_current_xact_id() IS NOT NULL)"),
-        ) else {
-            panic!("unexpected plan: {plan:#?}");
-        };
-        assert!(
-            id < filter,
-            "the xid filter must run before the id is drawn: {plan:#?}"
-        );
+            tx.commit().await?;
+            Ok::<(), Error>(())
+        });
+        let mut waiting = false;
+        for _ in 0..500 {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND NOT granted AND objid::int8 = $1",
+            )
+            .bind(key)
+            .fetch_one(&ledger.pool)
+            .await?;
+            if n == 1 {
+                waiting = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(waiting, "the insert by hand never reached its trigger");
+        // Nothing else writes result rows now: the sequence's last id is the waiting row's.
+        let hand_id: i64 = sqlx::query_scalar("SELECT last_value FROM result_outbox_id_seq")
+            .fetch_one(&ledger.pool)
+            .await?;
+        for _ in 0..20 {
+            seq += 1;
+            write_and_relay(seq).await?;
+            assert!(
+                floor().await? <= hand_id,
+                "the floor passed a row that drew its id before its transaction had an xid"
+            );
+        }
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(key)
+            .execute(&mut *holder)
+            .await?;
+        by_hand
+            .await
+            .map_err(|e| Error::Corrupt(format!("the insert by hand: {e}")))??;
+        raised_past(hand_id, seq).await?;
+        let seen = published.lock().expect("published").clone();
+        relayed_once_each(&ledger, &seen, 7777).await?;
         Ok(())
     }
 
@@ -2044,6 +2090,22 @@ mod tests {
             assert!(floor().await? <= leased_id, "the floor passed a leased row");
         }
         assert!(!published.lock().expect("published").contains(&500));
+        // Past the refused row, now published, within a few rounds (a transaction another
+        // test holds open can keep every fence back a moment); never past the leased row
+        // before it is published, once its lease has run out.
+        for _ in 0..200 {
+            if floor().await? > refused_id {
+                break;
+            }
+            seq += 1;
+            write(seq).await?;
+            relay().await?;
+            assert!(
+                floor().await? <= leased_id || published.lock().expect("published").contains(&500),
+                "the floor passed a row not yet published"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(
             floor().await? > refused_id,
             "the floor stayed below a published row"
