@@ -115,6 +115,7 @@ pub fn ledger_gauges(stats: &opgate_store::LedgerStats) -> opgate_metrics::Ledge
         queue: stats.queue.clone(),
         relay_pending: stats.relay_pending,
         relay_lag_seconds: stats.relay_oldest.map_or(0.0, age),
+        relay_window: stats.relay_window,
     }
 }
 

@@ -545,6 +545,7 @@ mod tests {
             queue: Vec::new(),
             relay_pending: 0,
             relay_oldest: None,
+            relay_window: 0,
             now,
         };
         let o = OverviewView::new(&stats, &activity, std::time::Duration::from_secs(60));

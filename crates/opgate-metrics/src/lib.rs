@@ -220,6 +220,8 @@ pub struct LedgerGauges {
     pub relay_pending: i64,
     /// Age of the oldest unpublished result, seconds (0 when none).
     pub relay_lag_seconds: f64,
+    /// Result rows a relay round reads among (`LedgerStats::relay_window`).
+    pub relay_window: i64,
 }
 
 impl LedgerGauges {
@@ -274,6 +276,13 @@ impl LedgerGauges {
         )
         .with_label_values::<&str>(&[])
         .set(self.relay_lag_seconds);
+        gauge(
+            "opgate_relay_window_rows",
+            "Result rows each relay round reads among: from the relay floor on (PostgreSQL), published or not; it grows while a transaction held open on the server holds the floor back.",
+            &[],
+        )
+        .with_label_values::<&str>(&[])
+        .set(self.relay_window as f64);
         registry.gather()
     }
 }
@@ -325,6 +334,7 @@ mod tests {
             queue: vec![("waiting".into(), 3)],
             relay_pending: 4,
             relay_lag_seconds: 1.5,
+            relay_window: 9,
         };
         let text = Metrics::new().render(Some(&gauges));
         for line in [
@@ -333,6 +343,7 @@ mod tests {
             "opgate_queue_depth{state=\"waiting\"} 3",
             "opgate_relay_pending 4",
             "opgate_relay_lag_seconds 1.5",
+            "opgate_relay_window_rows 9",
         ] {
             assert!(text.contains(line), "missing `{line}` in\n{text}");
         }

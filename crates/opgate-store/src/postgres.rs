@@ -1489,10 +1489,14 @@ impl Ledger for PgLedger {
         // The unpublished rows lie at or above the relay floor (migration 0010): a walk of
         // the primary key from it, never of the table (the floor is a parameter to the
         // planner, so this read plans as the hot path does, `Planner::Keyed`).
-        let (relay_pending, relay_oldest, now) = in_tx!(self, |tx| {
+        // The window, from the floor to the last row: the primary key's two ends.
+        let (relay_pending, relay_oldest, now, relay_window) = in_tx!(self, |tx| {
             tx.plan_as(Planner::Keyed).await?;
-            sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime)>(&format!(
-                "SELECT COUNT(*), MIN(created_at), now() FROM result_outbox {UNPUBLISHED}"
+            sqlx::query_as::<_, (i64, Option<OffsetDateTime>, OffsetDateTime, i64)>(&format!(
+                "SELECT COUNT(*), MIN(created_at), now(), \
+                   GREATEST(0, COALESCE((SELECT max(id) FROM result_outbox), 0) + 1 \
+                     - COALESCE((SELECT floor FROM result_relay_floor), 1)) \
+                 FROM result_outbox {UNPUBLISHED}"
             ))
             .fetch_one(&mut *tx.0)
             .await?
@@ -1502,6 +1506,7 @@ impl Ledger for PgLedger {
             queue,
             relay_pending,
             relay_oldest,
+            relay_window,
             now,
         })
     }
@@ -1856,7 +1861,8 @@ mod tests {
     /// then does the floor pass it. The backlog gauge reads from the floor. The same holds
     /// for a row written by any other insert, held between drawing its id and its first
     /// write: the schema gives its transaction an xid first (migration 0011), which the
-    /// floor's fence relies on.
+    /// floor's fence relies on; meanwhile the relay's read window (a gauge) shows the held
+    /// floor, which the backlog does not.
     #[cfg(feature = "integration")]
     #[tokio::test]
     async fn the_relay_floor_never_passes_a_result_whose_transaction_is_still_running() -> Result<()>
@@ -1997,6 +2003,15 @@ mod tests {
                 "the floor passed a row that drew its id before its transaction had an xid"
             );
         }
+        // The held floor shows in the read window, not in the backlog: the rows written
+        // meanwhile are published, the waiting one is not visible yet.
+        let stats = ledger.stats().await?;
+        let last: i64 = sqlx::query_scalar("SELECT max(id) FROM result_outbox")
+            .fetch_one(&ledger.pool)
+            .await?;
+        assert_eq!(stats.relay_pending, 0);
+        assert_eq!(stats.relay_window, last + 1 - floor().await?);
+        assert!(stats.relay_window >= 20, "{stats:?}");
         sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(key)
             .execute(&mut *holder)

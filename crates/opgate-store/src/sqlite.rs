@@ -962,6 +962,8 @@ impl Ledger for SqliteLedger {
             live,
             queue,
             relay_pending,
+            // Its relay reads the unpublished rows through an index of them.
+            relay_window: relay_pending,
             relay_oldest: relay_oldest.as_deref().map(parse_ts).transpose()?,
             now: parse_ts(&now)?,
         })
