@@ -278,7 +278,7 @@ impl LedgerGauges {
         .set(self.relay_lag_seconds);
         gauge(
             "opgate_relay_window_rows",
-            "Result rows each relay round reads among: from the relay floor on (PostgreSQL), published or not; it grows while a transaction held open on the server holds the floor back.",
+            "Result ids from the relay floor to the last one (PostgreSQL; an upper bound on the rows each relay round reads among, published or not): it grows while a transaction held open on the server holds the floor back.",
             &[],
         )
         .with_label_values::<&str>(&[])

@@ -265,22 +265,31 @@ impl PgTx {
     /// [`PgTx::take_relay_turn`] read; the turn's own transaction id becomes the new
     /// fence's (a turn that takes nothing writes nothing and takes no xid).
     async fn raise_relay_floor(&mut self, handed_out: i64) -> Result<()> {
-        // Both read the row being updated (no second read of the table that could pair
-        // another version's fence with this one's).
-        const PASSED: &str = "(f.fence_xid IS NOT NULL \
-            AND f.fence_xid <= pg_snapshot_xmin(pg_current_snapshot()))";
         const RENEW: &str = "(f.fence_xid IS NULL OR f.fence_xid > pg_current_xact_id())";
         sqlx::query(&format!(
             "UPDATE result_relay_floor AS f SET \
-               floor = CASE WHEN {PASSED} THEN GREATEST(f.floor, COALESCE( \
-                 (SELECT min(r.id) FROM result_outbox r \
-                  WHERE r.id >= f.floor AND r.id <= f.fence_id AND r.published_at IS NULL), \
-                 f.fence_id + 1)) ELSE f.floor END, \
-               fence_id = CASE WHEN {PASSED} OR {RENEW} THEN $1 ELSE f.fence_id END, \
-               fence_xid = CASE WHEN {PASSED} OR {RENEW} THEN pg_current_xact_id() \
+               floor = CASE WHEN {FENCE_PASSED} THEN {FLOOR_PAST_FENCE} ELSE f.floor END, \
+               fence_id = CASE WHEN {FENCE_PASSED} OR {RENEW} THEN $1 ELSE f.fence_id END, \
+               fence_xid = CASE WHEN {FENCE_PASSED} OR {RENEW} THEN pg_current_xact_id() \
                  ELSE f.fence_xid END"
         ))
         .bind(handed_out)
+        .execute(&mut *self.0)
+        .await?;
+        Ok(())
+    }
+
+    /// A turn that took nothing brings the floor up to the stored fence once it has
+    /// passed ([`PgTx::raise_relay_floor`]'s rule; no new fence, which would take an
+    /// xid). Without it a floor held back by a long transaction stayed put after that
+    /// transaction ended until traffic came back, and every idle round read the whole
+    /// window. Writes only when the floor moves: an update that changes no row takes no
+    /// xid.
+    async fn close_relay_window(&mut self) -> Result<()> {
+        sqlx::query(&format!(
+            "UPDATE result_relay_floor AS f SET floor = {FLOOR_PAST_FENCE} \
+             WHERE {FENCE_PASSED} AND f.floor <= f.fence_id"
+        ))
         .execute(&mut *self.0)
         .await?;
         Ok(())
@@ -589,6 +598,20 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
         .bind(column(ops, |o| o.updated_at))
         .bind(column(ops, |o| o.ambiguous_since))
 }
+
+/// The stored fence of the relay floor has passed: no transaction older than its xid still
+/// runs ([`PgTx::raise_relay_floor`]). Read from the row being updated, as
+/// [`FLOOR_PAST_FENCE`] is (no second read of the table that could pair another version's
+/// fence with this one's).
+const FENCE_PASSED: &str = "(f.fence_xid IS NOT NULL \
+    AND f.fence_xid <= pg_snapshot_xmin(pg_current_snapshot()))";
+
+/// Where the floor goes once its fence has passed: to the lowest unpublished id up to the
+/// fence, or just past the fence.
+const FLOOR_PAST_FENCE: &str = "GREATEST(f.floor, COALESCE( \
+    (SELECT min(r.id) FROM result_outbox r \
+     WHERE r.id >= f.floor AND r.id <= f.fence_id AND r.published_at IS NULL), \
+    f.fence_id + 1))";
 
 /// The unpublished result rows: at or above the relay floor ([`PgTx::raise_relay_floor`]);
 /// without its row (never after migration 0010), from the first id, slowly but whole.
@@ -1228,6 +1251,7 @@ impl Ledger for PgLedger {
             };
             let rows = tx.pick_results(request.limit).await?;
             if rows.is_empty() {
+                tx.close_relay_window().await?;
                 return Ok(rows);
             }
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
@@ -1262,6 +1286,7 @@ impl Ledger for PgLedger {
         };
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
+            tx.close_relay_window().await?;
             tx.0.commit().await?;
             return Ok(RelayRound::default());
         }
@@ -1876,13 +1901,10 @@ mod tests {
             limit: 100,
             ..Default::default()
         };
-        // One committed row, then one relay round: what a busy relay does each time.
-        let write_and_relay = |seq: i64| {
+        // One relay round, publishing whatever it takes.
+        let relay = || {
             let (ledger, published, request) = (&ledger, published.clone(), &request);
             async move {
-                let mut tx = ledger.begin().await?;
-                tx.insert_outbox_batch(&[row(seq)]).await?;
-                tx.0.commit().await?;
                 let publish: crate::Publish<'static> = Box::new(move |rows| {
                     Box::pin(async move {
                         let mut seen = published.lock().expect("published");
@@ -1891,6 +1913,16 @@ mod tests {
                     })
                 });
                 ledger.relay_round(request, publish).await
+            }
+        };
+        // One committed row, then one relay round: what a busy relay does each time.
+        let write_and_relay = |seq: i64| {
+            let (ledger, relay) = (&ledger, &relay);
+            async move {
+                let mut tx = ledger.begin().await?;
+                tx.insert_outbox_batch(&[row(seq)]).await?;
+                tx.0.commit().await?;
+                relay().await
             }
         };
         let floor = || relay_floor(&ledger);
@@ -2022,6 +2054,17 @@ mod tests {
         raised_past(hand_id, seq).await?;
         let seen = published.lock().expect("published").clone();
         relayed_once_each(&ledger, &seen, 7777).await?;
+
+        // Traffic stops: rounds that take nothing still bring the floor up to the last
+        // fence once it has passed, so the read window closes (and the gauge with it).
+        for _ in 0..200 {
+            if ledger.stats().await?.relay_window == 0 {
+                break;
+            }
+            assert_eq!(relay().await?.taken, 0);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(ledger.stats().await?.relay_window, 0);
         Ok(())
     }
 

@@ -359,9 +359,9 @@ pub struct LedgerStats {
     pub relay_pending: i64,
     /// When the oldest unpublished result was written.
     pub relay_oldest: Option<OffsetDateTime>,
-    /// Result rows a relay round reads among: on PostgreSQL every row at or above the
-    /// relay floor, published or not (a transaction held open anywhere on the server
-    /// holds the floor back, and this grows); on SQLite the unpublished rows.
+    /// Result rows a relay round reads among, at most: on PostgreSQL the ids from the relay
+    /// floor to the last one, published or not (a transaction held open anywhere on the
+    /// server holds the floor back, and this grows); on SQLite the unpublished rows.
     pub relay_window: i64,
     /// The database clock when this was read.
     pub now: OffsetDateTime,
