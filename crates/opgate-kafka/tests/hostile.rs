@@ -9,6 +9,7 @@ mod common;
 
 use std::borrow::Cow;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use common::*;
@@ -204,6 +205,18 @@ struct Refusing {
     slow: Duration,
     slow_partitions: Vec<i32>,
     calls: Arc<std::sync::Mutex<Vec<Vec<i32>>>>,
+    /// Ingest calls in the ledger now, and the most there were at once.
+    in_ledger: Arc<AtomicUsize>,
+    most_in_ledger: Arc<AtomicUsize>,
+}
+
+/// One ingest call counted in the ledger until dropped.
+struct InLedger(Arc<AtomicUsize>);
+
+impl Drop for InLedger {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Refusing {
@@ -215,7 +228,56 @@ impl Refusing {
             slow: Duration::ZERO,
             slow_partitions: Vec::new(),
             calls: Arc::default(),
+            in_ledger: Arc::default(),
+            most_in_ledger: Arc::default(),
         }
+    }
+
+    fn enter(&self) -> InLedger {
+        let now = self
+            .in_ledger
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        self.most_in_ledger
+            .fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+        InLedger(self.in_ledger.clone())
+    }
+
+    /// An ingest call's body (the caller counts it in the ledger).
+    async fn ingest_counted(
+        &self,
+        batch: &[IngestItem],
+    ) -> opgate_store::Result<Vec<IngestOutcome>> {
+        self.calls.lock().expect("calls").push(partitions_of(batch));
+        if partitions_of(batch)
+            .iter()
+            .any(|p| self.slow_partitions.contains(p))
+        {
+            tokio::time::sleep(self.slow).await;
+        }
+        while self.locked(batch) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let poisoned = batch.iter().any(|item| {
+            matches!(item, IngestItem::Accepted(env) if env.canonical_args["note"] == "refuse-me")
+        });
+        if poisoned {
+            return Err(opgate_store::Error::Database(sqlx::Error::Database(
+                Box::new(Refused("22P05")),
+            )));
+        }
+        let stalled = self.stall.load(std::sync::atomic::Ordering::SeqCst)
+            && batch.iter().any(|item| {
+                matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("stuck"))
+            });
+        if stalled {
+            return Err(opgate_store::Error::Database(sqlx::Error::PoolTimedOut));
+        }
+        let bug = batch.iter().any(
+            |item| matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("panic")),
+        );
+        assert!(!bug, "a bug in the ledger adapter");
+        self.inner.ingest(batch).await
     }
 
     fn locked(&self, batch: &[IngestItem]) -> bool {
@@ -249,42 +311,15 @@ fn partitions_of(batch: &[IngestItem]) -> Vec<i32> {
 #[async_trait::async_trait]
 impl Ledger for Refusing {
     async fn ingest(&self, batch: &[IngestItem]) -> opgate_store::Result<Vec<IngestOutcome>> {
-        self.calls.lock().expect("calls").push(partitions_of(batch));
-        if partitions_of(batch)
-            .iter()
-            .any(|p| self.slow_partitions.contains(p))
-        {
-            tokio::time::sleep(self.slow).await;
-        }
-        while self.locked(batch) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let poisoned = batch.iter().any(|item| {
-            matches!(item, IngestItem::Accepted(env) if env.canonical_args["note"] == "refuse-me")
-        });
-        if poisoned {
-            return Err(opgate_store::Error::Database(sqlx::Error::Database(
-                Box::new(Refused("22P05")),
-            )));
-        }
-        let stalled = self.stall.load(std::sync::atomic::Ordering::SeqCst)
-            && batch.iter().any(|item| {
-                matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("stuck"))
-            });
-        if stalled {
-            return Err(opgate_store::Error::Database(sqlx::Error::PoolTimedOut));
-        }
-        let bug = batch.iter().any(
-            |item| matches!(item, IngestItem::Accepted(env) if env.entity.id.starts_with("panic")),
-        );
-        assert!(!bug, "a bug in the ledger adapter");
-        self.inner.ingest(batch).await
+        let _in_ledger = self.enter();
+        self.ingest_counted(batch).await
     }
     async fn ingest_waiting_at_most(
         &self,
         batch: &[IngestItem],
         lock_wait: Duration,
     ) -> opgate_store::Result<Vec<IngestOutcome>> {
+        let _in_ledger = self.enter();
         if self.locked(batch) {
             self.calls.lock().expect("calls").push(partitions_of(batch));
             tokio::time::sleep(lock_wait).await;
@@ -292,7 +327,7 @@ impl Ledger for Refusing {
                 Box::new(Refused("55P03")),
             )));
         }
-        self.ingest(batch).await
+        self.ingest_counted(batch).await
     }
     async fn claim(
         &self,
@@ -503,10 +538,47 @@ async fn waiting_batches_share_a_transaction_and_a_refusal_in_it_stays_its_parti
     assert_eq!(h["opgate.dlq.event_id"], "bad-0");
 }
 
+/// While groups commit within the group commit's `SECOND_AFTER` (250 ms), one is in the
+/// ledger at a time, and the batches that arrive meanwhile wait and go in together: here
+/// partition 0's group takes 150 ms, and 1, 2 and 3, produced while it is in the ledger,
+/// follow it instead of joining it. (A slow group does get company: the lock test below.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_group_joins_the_ledger_only_beside_a_slow_one() {
+    let mut env = env(4).await;
+    let mut refusing = Refusing::new(env.ledger.clone());
+    refusing.slow = Duration::from_millis(150);
+    refusing.slow_partitions = vec![0];
+    let ledger = Arc::new(refusing);
+    let (calls, most) = (ledger.calls.clone(), ledger.most_in_ledger.clone());
+    env.ledger = ledger;
+    let worker = start_worker(&env, Limits::default(), 100);
+    produce_to(&env, &three_good(0)).await;
+    eventually("partition 0 is in the ledger", WAIT, || async {
+        calls.lock().expect("calls").concat().contains(&0)
+    })
+    .await;
+    let mut others = three_good(1);
+    others.extend(three_good(2));
+    others.extend(three_good(3));
+    produce_to(&env, &others).await;
+    eventually("every partition committed", WAIT, || async {
+        committed(&env, 4) == [3, 3, 3, 3]
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(
+        most.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one group in the ledger at a time: {:?}",
+        calls.lock().expect("calls")
+    );
+}
+
 /// A batch waiting for a lock keeps neither its group nor the group commit's places in the
 /// ledger (shared by every partition) for longer than the group's lock bound: partitions
 /// 0 and 1 wait for a lock that is not released, each in a group of its own, the two
-/// groups in flight; once the bound runs out they wait alone, and partitions 2 and 3,
+/// groups in flight (1's beside 0's once 0's has waited `SECOND_AFTER`); once the bound
+/// runs out they wait alone, and partitions 2 and 3,
 /// produced after them, are ingested and committed meanwhile. When the lock goes, 0 and 1
 /// catch up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,8 +3,9 @@
 //!
 //! A lane hands its batch to [`Group::ingest`] and waits for its own outcomes. The
 //! committer takes the oldest batch waiting and, with it, every other batch already
-//! waiting, up to `max_messages` proposals, and ingests them in one transaction, with at
-//! most [`IN_FLIGHT`] groups in the ledger at once. Nothing waits for a group to fill: a
+//! waiting, up to `max_messages` proposals, and ingests them in one transaction, one group
+//! in the ledger at a time, a second beside it only once it has been there for
+//! [`SECOND_AFTER`] ([`IN_FLIGHT`] at most). Nothing waits for a group to fill: a
 //! batch that finds the ledger idle goes alone, at once; batches gather only while earlier
 //! groups are being committed, which is when one transaction instead of several pays
 //! (at a steady rate every partition's lane closes a small batch each `max_wait`).
@@ -27,9 +28,16 @@ use opgate_store::{IngestOutcome, Ledger, SharedLedger};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tracing::debug;
 
-/// Groups in the ledger at once: while one commits, the next gathers, and two
-/// transactions keep both of a small server's cores busy.
+/// Groups in the ledger at once, at most: while one commits, the next gathers. The second
+/// place opens only beside a group that has been in the ledger for [`SECOND_AFTER`] (one
+/// that waits for a lock, or a ledger that is slow): as long as groups commit sooner, one
+/// at a time leaves the ledger's time to dispatch, which is where a backlog's operations
+/// wait (two at once ingested a third faster alone, but made the whole path ~5% slower and
+/// its CPU per operation ~7% higher on this 2-core host; BENCHMARKS.md, 2026-12-04).
 pub(super) const IN_FLIGHT: usize = 2;
+
+/// How long a group is in the ledger alone before a second may join it.
+pub(super) const SECOND_AFTER: Duration = Duration::from_millis(250);
 
 /// The longest a group waits for a lock.
 pub(super) const LOCK_WAIT: Duration = Duration::from_secs(1);
@@ -81,7 +89,11 @@ impl Group {
 impl Committer {
     /// Commits groups until every [`Group`] handle is dropped.
     pub(super) async fn run(mut self, ledger: SharedLedger) {
-        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+        // The first place, and the second, taken only beside a group that has been in the
+        // ledger for SECOND_AFTER (its start is `first_since`).
+        let first_place = Arc::new(Semaphore::new(1));
+        let second_place = Arc::new(Semaphore::new(IN_FLIGHT - 1));
+        let mut first_since = Instant::now();
         let mut next = None;
         loop {
             let first = match next.take() {
@@ -91,8 +103,19 @@ impl Committer {
                     None => return,
                 },
             };
-            // While both groups are in the ledger, the next one gathers.
-            let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            // While the groups in the ledger commit, the next one gathers.
+            let permit = tokio::select! {
+                biased;
+                p = first_place.clone().acquire_owned() => {
+                    first_since = Instant::now();
+                    p
+                }
+                p = async {
+                    tokio::time::sleep_until((first_since + SECOND_AFTER).into()).await;
+                    second_place.clone().acquire_owned().await
+                } => p,
+            };
+            let Ok(permit) = permit else {
                 return;
             };
             let mut size = first.items.len();
