@@ -228,20 +228,25 @@ impl PgTx {
     /// ([`PgTx::raise_relay_floor`]). The turn's reads walk the primary key from the
     /// floor, so the turn plans as the hot path does ([`Planner::Keyed`]: no sequential
     /// scans, no JIT, generic plans).
-    async fn take_relay_turn(&mut self, lease: Duration) -> Result<Option<i64>> {
+    async fn take_relay_turn(&mut self, lease: Duration) -> Result<Option<RelayTurn>> {
         let sql = format!(
             "SELECT pg_try_advisory_xact_lock($2, 0), \
              (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
-              FROM result_outbox_id_seq) \
+              FROM result_outbox_id_seq), \
+             COALESCE((SELECT {FENCE_PASSED} AND f.floor <= f.fence_id \
+              FROM result_relay_floor AS f), false) \
              FROM (SELECT set_config('idle_in_transaction_session_timeout', $1, true){}) AS p",
             Planner::Keyed.settings()
         );
-        let (turn, handed_out): (bool, i64) = sqlx::query_as(&sql)
+        let (turn, handed_out, window_closable): (bool, i64, bool) = sqlx::query_as(&sql)
             .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
             .bind(RELAY_TURN)
             .fetch_one(&mut *self.0)
             .await?;
-        Ok(turn.then_some(handed_out))
+        Ok(turn.then_some(RelayTurn {
+            handed_out,
+            window_closable,
+        }))
     }
 
     /// Raises the relay floor (migration 0010): every result row below
@@ -283,8 +288,8 @@ impl PgTx {
     /// passed ([`PgTx::raise_relay_floor`]'s rule; no new fence, which would take an
     /// xid). Without it a floor held back by a long transaction stayed put after that
     /// transaction ended until traffic came back, and every idle round read the whole
-    /// window. Writes only when the floor moves: an update that changes no row takes no
-    /// xid.
+    /// window. Called only when the turn found it due ([`RelayTurn::window_closable`]),
+    /// so an idle round costs no statement more.
     async fn close_relay_window(&mut self) -> Result<()> {
         sqlx::query(&format!(
             "UPDATE result_relay_floor AS f SET floor = {FLOOR_PAST_FENCE} \
@@ -597,6 +602,15 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
         .bind(column(ops, |o| o.result_seq))
         .bind(column(ops, |o| o.updated_at))
         .bind(column(ops, |o| o.ambiguous_since))
+}
+
+/// A relay's turn ([`PgTx::take_relay_turn`]).
+struct RelayTurn {
+    /// The highest result id handed out when the turn began: the next fence.
+    handed_out: i64,
+    /// The stored fence has passed and the floor is still below it: a turn that takes
+    /// nothing closes the window ([`PgTx::close_relay_window`]).
+    window_closable: bool,
 }
 
 /// The stored fence of the relay floor has passed: no transaction older than its xid still
@@ -1246,12 +1260,14 @@ impl Ledger for PgLedger {
 
     async fn claim_results(&self, request: &ClaimRequest) -> Result<Vec<OutboxRow>> {
         in_tx!(self, |tx| {
-            let Some(handed_out) = tx.take_relay_turn(request.lease).await? else {
+            let Some(turn) = tx.take_relay_turn(request.lease).await? else {
                 return Ok(Vec::new());
             };
             let rows = tx.pick_results(request.limit).await?;
             if rows.is_empty() {
-                tx.close_relay_window().await?;
+                if turn.window_closable {
+                    tx.close_relay_window().await?;
+                }
                 return Ok(rows);
             }
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
@@ -1264,7 +1280,7 @@ impl Ledger for PgLedger {
             .bind(&ids)
             .execute(&mut *tx.0)
             .await?;
-            tx.raise_relay_floor(handed_out).await?;
+            tx.raise_relay_floor(turn.handed_out).await?;
             rows
         })
     }
@@ -1277,7 +1293,7 @@ impl Ledger for PgLedger {
         // Not retried as a whole: a failure leaves the rows unpublished for a later round
         // (the broker may have them already; consumers dedupe on seq).
         let mut tx = self.begin().await?;
-        let Some(handed_out) = tx.take_relay_turn(request.lease).await? else {
+        let Some(turn) = tx.take_relay_turn(request.lease).await? else {
             tx.0.commit().await?;
             return Ok(RelayRound {
                 standby: true,
@@ -1286,7 +1302,9 @@ impl Ledger for PgLedger {
         };
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
-            tx.close_relay_window().await?;
+            if turn.window_closable {
+                tx.close_relay_window().await?;
+            }
             tx.0.commit().await?;
             return Ok(RelayRound::default());
         }
@@ -1298,7 +1316,7 @@ impl Ledger for PgLedger {
         .bind(&acked)
         .execute(&mut *tx.0)
         .await?;
-        tx.raise_relay_floor(handed_out).await?;
+        tx.raise_relay_floor(turn.handed_out).await?;
         tx.0.commit().await?;
         Ok(RelayRound {
             taken,
@@ -1860,6 +1878,33 @@ mod tests {
         }
     }
 
+    /// One relay round that had the turn. The relays of the tests running beside this one
+    /// share the turn (an advisory lock of the database), so a round may stand by: it is
+    /// tried again, with a new publish, until it has the turn.
+    #[cfg(feature = "integration")]
+    async fn relay_with_turn(
+        ledger: &PgLedger,
+        request: &ClaimRequest,
+        publish: impl Fn() -> crate::Publish<'static>,
+    ) -> Result<RelayRound> {
+        for _ in deadline_rounds() {
+            let round = ledger.relay_round(request, publish()).await?;
+            if !round.standby {
+                return Ok(round);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Err(Error::Corrupt("the relay never had the turn".into()))
+    }
+
+    /// Rounds of a wait for the relay floor, for 30 s: a transaction another test holds
+    /// open on the server holds every fence back while it runs, however many rounds pass.
+    #[cfg(feature = "integration")]
+    fn deadline_rounds() -> impl Iterator<Item = ()> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        std::iter::from_fn(move || (std::time::Instant::now() < deadline).then_some(()))
+    }
+
     #[cfg(feature = "integration")]
     async fn relay_floor(ledger: &PgLedger) -> Result<i64> {
         Ok(sqlx::query_scalar("SELECT floor FROM result_relay_floor")
@@ -1904,16 +1949,17 @@ mod tests {
         // One relay round, publishing whatever it takes.
         let relay = || {
             let (ledger, published, request) = (&ledger, published.clone(), &request);
-            async move {
-                let publish: crate::Publish<'static> = Box::new(move |rows| {
+            let publish = move || -> crate::Publish<'static> {
+                let published = published.clone();
+                Box::new(move |rows| {
                     Box::pin(async move {
                         let mut seen = published.lock().expect("published");
                         seen.extend(rows.iter().map(|r| r.seq));
                         rows.iter().map(|r| r.id).collect()
                     })
-                });
-                ledger.relay_round(request, publish).await
-            }
+                })
+            };
+            async move { relay_with_turn(ledger, request, publish).await }
         };
         // One committed row, then one relay round: what a busy relay does each time.
         let write_and_relay = |seq: i64| {
@@ -1931,7 +1977,7 @@ mod tests {
         let raised_past = |id: i64, mut seq: i64| {
             let write_and_relay = &write_and_relay;
             async move {
-                for _ in 0..200 {
+                for _ in deadline_rounds() {
                     if floor().await? > id {
                         return Ok::<i64, Error>(seq);
                     }
@@ -2008,7 +2054,7 @@ mod tests {
             Ok::<(), Error>(())
         });
         let mut waiting = false;
-        for _ in 0..500 {
+        for _ in deadline_rounds() {
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_locks \
                  WHERE locktype = 'advisory' AND NOT granted AND objid::int8 = $1",
@@ -2057,7 +2103,7 @@ mod tests {
 
         // Traffic stops: rounds that take nothing still bring the floor up to the last
         // fence once it has passed, so the read window closes (and the gauge with it).
-        for _ in 0..200 {
+        for _ in deadline_rounds() {
             if ledger.stats().await?.relay_window == 0 {
                 break;
             }
@@ -2100,28 +2146,31 @@ mod tests {
         };
         let relay = || {
             let (published, refusals) = (published.clone(), refusals.clone());
-            let publish: crate::Publish<'static> = Box::new(move |rows| {
-                Box::pin(async move {
-                    let mut acked = Vec::new();
-                    for r in &rows {
-                        if r.seq == 1
-                            && refusals
-                                .fetch_update(
-                                    std::sync::atomic::Ordering::SeqCst,
-                                    std::sync::atomic::Ordering::SeqCst,
-                                    |n| n.checked_sub(1),
-                                )
-                                .is_ok()
-                        {
-                            continue;
+            let publish = move || -> crate::Publish<'static> {
+                let (published, refusals) = (published.clone(), refusals.clone());
+                Box::new(move |rows| {
+                    Box::pin(async move {
+                        let mut acked = Vec::new();
+                        for r in &rows {
+                            if r.seq == 1
+                                && refusals
+                                    .fetch_update(
+                                        std::sync::atomic::Ordering::SeqCst,
+                                        std::sync::atomic::Ordering::SeqCst,
+                                        |n| n.checked_sub(1),
+                                    )
+                                    .is_ok()
+                            {
+                                continue;
+                            }
+                            published.lock().expect("published").push(r.seq);
+                            acked.push(r.id);
                         }
-                        published.lock().expect("published").push(r.seq);
-                        acked.push(r.id);
-                    }
-                    acked
+                        acked
+                    })
                 })
-            });
-            async move { ledger.relay_round(&request("relay", 30_000), publish).await }
+            };
+            async move { relay_with_turn(ledger, &request("relay", 30_000), publish).await }
         };
         let floor = || relay_floor(ledger);
 
@@ -2137,9 +2186,18 @@ mod tests {
         let seen = published.lock().expect("published").clone();
         assert_eq!(seen.iter().filter(|&&s| s == 1).count(), 1, "{seen:?}");
 
-        // A lease that runs out: another relay leases a row and never marks it.
+        // A lease that runs out: another relay leases a row and never marks it (2 s: the six
+        // rounds below fit in it on a loaded machine).
         let leased_id = write(500).await?;
-        let leased = ledger.claim_results(&request("stalled", 200)).await?;
+        let mut leased = Vec::new();
+        for _ in deadline_rounds() {
+            // Empty while another test's relay has the server's turn.
+            leased = ledger.claim_results(&request("stalled", 2_000)).await?;
+            if !leased.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         assert_eq!(leased.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![500]);
         for _ in 0..6 {
             seq += 1;
@@ -2151,7 +2209,7 @@ mod tests {
         // Past the refused row, now published, within a few rounds (a transaction another
         // test holds open can keep every fence back a moment); never past the leased row
         // before it is published, once its lease has run out.
-        for _ in 0..200 {
+        for _ in deadline_rounds() {
             if floor().await? > refused_id {
                 break;
             }
@@ -2168,8 +2226,8 @@ mod tests {
             floor().await? > refused_id,
             "the floor stayed below a published row"
         );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        for _ in deadline_rounds() {
             if floor().await? > leased_id {
                 break;
             }

@@ -111,7 +111,11 @@ pub fn claim_ahead(per_tool: usize, most: usize, claim: Duration, call: Duration
 /// empty list bounds nothing). The ledger locks every row it picks, and the claim keeps
 /// only what fits each tool's room: with one busy tool and claims of 64, ~40% of the rows
 /// picked were locked only to be given back (35,646 picked for 20,000 operations;
-/// BENCHMARKS.md). 0 when every tool is full: then nothing is asked.
+/// BENCHMARKS.md). 0 when every tool is full: then nothing is asked, and an operation of
+/// a tool missing from the registry (escalated when claimed) waits for room like the rest.
+/// The ledger picks oldest first across the tools with room, so an older backlog of one
+/// tool can fill a claim while another tool has room left; that tool gets the next claim,
+/// which follows at once.
 pub fn claim_limit(limit: usize, tool_room: &BTreeMap<String, usize>) -> usize {
     if tool_room.is_empty() {
         return limit;
