@@ -2206,38 +2206,37 @@ mod tests {
             assert!(floor().await? <= leased_id, "the floor passed a leased row");
         }
         assert!(!published.lock().expect("published").contains(&500));
-        // Past the refused row, now published, within a few rounds (a transaction another
-        // test holds open can keep every fence back a moment); never past the leased row
-        // before it is published, once its lease has run out.
-        for _ in deadline_rounds() {
-            if floor().await? > refused_id {
-                break;
+        // Rounds until the floor passes `id` (a transaction another test holds open can
+        // keep every fence back a moment), never past the leased row before it is
+        // published, once its lease has run out; their rows' seqs start at `seq`, clear of
+        // 500 however many rounds it takes.
+        let past = |id: i64, mut seq: i64| {
+            let (write, relay, floor, published) = (&write, &relay, &floor, &published);
+            async move {
+                for _ in deadline_rounds() {
+                    if floor().await? > id {
+                        break;
+                    }
+                    seq += 1;
+                    write(seq).await?;
+                    relay().await?;
+                    assert!(
+                        floor().await? <= leased_id
+                            || published.lock().expect("published").contains(&500),
+                        "the floor passed a row not yet published"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Ok::<bool, Error>(floor().await? > id)
             }
-            seq += 1;
-            write(seq).await?;
-            relay().await?;
-            assert!(
-                floor().await? <= leased_id || published.lock().expect("published").contains(&500),
-                "the floor passed a row not yet published"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        };
         assert!(
-            floor().await? > refused_id,
+            past(refused_id, 10_000).await?,
             "the floor stayed below a published row"
         );
         tokio::time::sleep(Duration::from_millis(2_100)).await;
-        for _ in deadline_rounds() {
-            if floor().await? > leased_id {
-                break;
-            }
-            seq += 1;
-            write(seq).await?;
-            relay().await?;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
         assert!(
-            floor().await? > leased_id,
+            past(leased_id, 20_000).await?,
             "the floor never passed the lease"
         );
         let seen = published.lock().expect("published").clone();
