@@ -505,9 +505,17 @@ const OP_STATE: [(&str, &str); 15] = [
 
 /// `unnest($1::t1[], $2::t2[], ...)` over these columns.
 fn unnest_sql<'c>(columns: impl Iterator<Item = &'c (&'c str, &'c str)>) -> String {
-    let arrays: Vec<String> = columns
+    let types: Vec<&str> = columns.map(|(_, ty)| *ty).collect();
+    unnest_at(1, &types)
+}
+
+/// `unnest($first::t1[], ...)` over arrays of these types, numbered from `$first` (a type
+/// may carry a cast of its array after it: `text[]::json` reads text as `json[]`).
+fn unnest_at(first: usize, types: &[&str]) -> String {
+    let arrays: Vec<String> = types
+        .iter()
         .enumerate()
-        .map(|(i, (_, ty))| format!("${}::{ty}[]", i + 1))
+        .map(|(i, ty)| format!("${}::{ty}[]", first + i))
         .collect();
     format!("unnest({})", arrays.join(", "))
 }
@@ -634,10 +642,110 @@ const UNPUBLISHED: &str =
 
 /// Result rows, each with the next id of `result_outbox_id_seq` (drawn after the
 /// transaction has its xid: migration 0011's trigger).
-const INSERT_OUTBOX: &str = "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, \
-    payload, traceparent, created_at) \
-    SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[]::json[], \
-    $6::text[], $7::timestamptz[])";
+static INSERT_OUTBOX: LazyLock<String> =
+    LazyLock::new(|| format!("{PUT_OUTBOX} SELECT * FROM {}", unnest_at(1, &OUTBOX_TYPES)));
+
+/// The start of an outbox insert, of rows [`OUTBOX_TYPES`] bound by [`bind_outbox`].
+const PUT_OUTBOX: &str = "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, \
+    payload, traceparent, created_at)";
+const OUTBOX_TYPES: [&str; 7] = [
+    "uuid",
+    "int8",
+    "text",
+    "text",
+    "text[]::json",
+    "text",
+    "timestamptz",
+];
+
+/// The start of a history insert, of rows [`EVENT_TYPES`] bound by [`bind_events`].
+const INSERT_EVENTS: &str = "INSERT INTO operation_events (operation_id, from_status, \
+    to_status, reason, attempt_id, epoch, actor, at, detail)";
+const EVENT_TYPES: [&str; 9] = [
+    "uuid",
+    "text",
+    "text",
+    "text",
+    "uuid",
+    "int8",
+    "text",
+    "timestamptz",
+    "jsonb",
+];
+
+/// The start of a queue-row upsert, of rows [`QUEUE_TYPES`] bound by [`bind_queue`],
+/// ended by [`QUEUE_UPSERT`].
+const PUT_QUEUE: &str = "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, \
+    compensates, state, ready_at, tool)";
+const QUEUE_TYPES: [&str; 7] = [
+    "uuid",
+    "text",
+    "bool",
+    "uuid",
+    "text",
+    "timestamptz",
+    "text",
+];
+const QUEUE_UPSERT: &str = "ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
+    ready_at = EXCLUDED.ready_at";
+
+/// What ingest writes for the operations it created, in one statement: history, queue
+/// rows and result rows ([`PgTx::insert_ingested`]). The result rows' insert fires its
+/// statement trigger before drawing an id, as on its own (migration 0011).
+static INSERT_INGESTED: LazyLock<String> = LazyLock::new(|| {
+    let queue_at = 1 + EVENT_TYPES.len();
+    let outbox_at = queue_at + QUEUE_TYPES.len();
+    format!(
+        "WITH e AS ({INSERT_EVENTS} SELECT * FROM {}), \
+         q AS ({PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}) \
+         {PUT_OUTBOX} SELECT * FROM {}",
+        unnest_at(1, &EVENT_TYPES),
+        unnest_at(queue_at, &QUEUE_TYPES),
+        unnest_at(outbox_at, &OUTBOX_TYPES)
+    )
+});
+
+/// Binds history rows' arrays ([`EVENT_TYPES`]).
+fn bind_events<'q, 'e: 'q>(query: PgQuery<'q>, events: &'q [NewEvent<'e>]) -> PgQuery<'q> {
+    query
+        .bind(column(events, |e| e.operation_id))
+        .bind(column(events, |e| e.from.map(Status::as_str)))
+        .bind(column(events, |e| e.to.as_str()))
+        .bind(column(events, |e| e.reason))
+        .bind(column(events, |e| e.attempt_id))
+        .bind(column(events, |e| e.epoch))
+        .bind(column(events, |e| e.actor))
+        .bind(column(events, |e| e.at))
+        .bind(column(events, |e| e.detail.as_ref().map(Json)))
+}
+
+/// A queue row as the queue statements bind it: the operation, its queue state and when
+/// it is ready.
+type QueueRow<'r> = (&'r Operation, QueueState, OffsetDateTime);
+
+/// Binds queue rows' arrays ([`QUEUE_TYPES`]).
+fn bind_queue<'q>(query: PgQuery<'q>, rows: &'q [&'q QueueRow<'q>]) -> PgQuery<'q> {
+    query
+        .bind(column(rows, |(op, ..)| op.operation_id))
+        .bind(column(rows, |(op, ..)| op.entity_key.as_str()))
+        .bind(column(rows, |(op, ..)| !op.side_effect_class.is_write()))
+        .bind(column(rows, |(op, ..)| op.compensates))
+        .bind(column(rows, |(_, state, _)| state.as_str()))
+        .bind(column(rows, |(.., ready_at)| *ready_at))
+        .bind(column(rows, |(op, ..)| op.tool.as_str()))
+}
+
+/// Binds result rows' arrays ([`OUTBOX_TYPES`]).
+fn bind_outbox<'q>(query: PgQuery<'q>, rows: &'q [NewOutbox]) -> PgQuery<'q> {
+    query
+        .bind(column(rows, |r| r.operation_id))
+        .bind(column(rows, |r| r.seq))
+        .bind(column(rows, |r| r.status.as_str()))
+        .bind(column(rows, |r| r.kafka_key.as_str()))
+        .bind(column(rows, |r| r.payload.as_str()))
+        .bind(column(rows, |r| r.traceparent.as_deref()))
+        .bind(column(rows, |r| r.at))
+}
 
 /// The advisory lock of the relay's turn ([`PgTx::take_relay_turn`]), in the two-key space
 /// (`lock_entity` takes single-key locks, so no entity's hash can collide with it).
@@ -939,23 +1047,13 @@ impl Tx for PgTx {
         if events.is_empty() {
             return Ok(());
         }
-        sqlx::query(
-            "INSERT INTO operation_events (operation_id, from_status, to_status, reason, \
-             attempt_id, epoch, actor, at, detail) \
-             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::uuid[], \
-             $6::int8[], $7::text[], $8::timestamptz[], $9::jsonb[])",
-        )
-        .bind(column(events, |e| e.operation_id))
-        .bind(column(events, |e| e.from.map(Status::as_str)))
-        .bind(column(events, |e| e.to.as_str()))
-        .bind(column(events, |e| e.reason))
-        .bind(column(events, |e| e.attempt_id))
-        .bind(column(events, |e| e.epoch))
-        .bind(column(events, |e| e.actor))
-        .bind(column(events, |e| e.at))
-        .bind(column(events, |e| e.detail.as_ref().map(Json)))
-        .execute(&mut *self.0)
-        .await?;
+        let sql = format!(
+            "{INSERT_EVENTS} SELECT * FROM {}",
+            unnest_at(1, &EVENT_TYPES)
+        );
+        bind_events(sqlx::query(&sql), events)
+            .execute(&mut *self.0)
+            .await?;
         Ok(())
     }
 
@@ -993,23 +1091,13 @@ impl Tx for PgTx {
                 .await?;
         }
         if !rows.is_empty() {
-            sqlx::query(
-                "INSERT INTO dispatch_queue (operation_id, entity_key, is_read, compensates, state, \
-                 ready_at, tool) \
-                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::bool[], $4::uuid[], $5::text[], \
-                 $6::timestamptz[], $7::text[]) \
-                 ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
-                 ready_at = EXCLUDED.ready_at",
-            )
-            .bind(column(&rows, |(op, ..)| op.operation_id))
-            .bind(column(&rows, |(op, ..)| op.entity_key.as_str()))
-            .bind(column(&rows, |(op, ..)| !op.side_effect_class.is_write()))
-            .bind(column(&rows, |(op, ..)| op.compensates))
-            .bind(column(&rows, |(_, state, _)| state.as_str()))
-            .bind(column(&rows, |(.., ready_at)| *ready_at))
-            .bind(column(&rows, |(op, ..)| op.tool.as_str()))
-            .execute(&mut *self.0)
-            .await?;
+            let sql = format!(
+                "{PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}",
+                unnest_at(1, &QUEUE_TYPES)
+            );
+            bind_queue(sqlx::query(&sql), &rows)
+                .execute(&mut *self.0)
+                .await?;
         }
         Ok(())
     }
@@ -1071,16 +1159,31 @@ impl Tx for PgTx {
         if rows.is_empty() {
             return Ok(());
         }
-        sqlx::query(INSERT_OUTBOX)
-            .bind(column(rows, |r| r.operation_id))
-            .bind(column(rows, |r| r.seq))
-            .bind(column(rows, |r| r.status.as_str()))
-            .bind(column(rows, |r| r.kafka_key.as_str()))
-            .bind(column(rows, |r| r.payload.as_str()))
-            .bind(column(rows, |r| r.traceparent.as_deref()))
-            .bind(column(rows, |r| r.at))
+        bind_outbox(sqlx::query(&INSERT_OUTBOX), rows)
             .execute(&mut *self.0)
             .await?;
+        Ok(())
+    }
+
+    async fn insert_ingested(
+        &mut self,
+        events: &[NewEvent<'_>],
+        queue: &[QueueRow<'_>],
+        outbox: &[NewOutbox],
+    ) -> Result<()> {
+        // Ingest's usual shape: every part has rows, no queue row is finished.
+        if events.is_empty()
+            || outbox.is_empty()
+            || queue.is_empty()
+            || queue.iter().any(|(_, state, _)| *state == QueueState::Done)
+        {
+            self.insert_events_batch(events).await?;
+            self.put_queue_rows(queue).await?;
+            return self.insert_outbox_batch(outbox).await;
+        }
+        let queue: Vec<&QueueRow<'_>> = queue.iter().collect();
+        let query = bind_queue(bind_events(sqlx::query(&INSERT_INGESTED), events), &queue);
+        bind_outbox(query, outbox).execute(&mut *self.0).await?;
         Ok(())
     }
 

@@ -226,13 +226,12 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
             detail: None,
         })
         .collect();
-    tx.insert_events_batch(&created_events).await?;
     let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
         .iter()
         .map(|&c| (&candidates[c], QueueState::of(candidates[c].status), now))
         .collect();
-    tx.put_queue_rows(&queue_rows).await?;
-    tx.insert_outbox_batch(&outbox).await?;
+    tx.insert_ingested(&created_events, &queue_rows, &outbox)
+        .await?;
     // The operations hit by duplicates (each locked above) in one statement.
     let hit_ops: Vec<Operation> = hit.values().cloned().collect();
     tx.update_operations_batch(&hit_ops).await?;

@@ -317,6 +317,20 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
+    /// What ingest writes for the operations it created: their history entries, queue
+    /// rows (none `Done`) and result rows. PostgreSQL writes the three in one statement.
+    fn insert_ingested(
+        &mut self,
+        events: &[NewEvent<'_>],
+        queue: &[(&Operation, QueueState, OffsetDateTime)],
+        outbox: &[NewOutbox],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            self.insert_events_batch(events).await?;
+            self.put_queue_rows(queue).await?;
+            self.insert_outbox_batch(outbox).await
+        }
+    }
     /// Inserts or updates queue rows, each with its own ready time (deletes `Done` ones).
     fn put_queue_rows(
         &mut self,
