@@ -234,18 +234,24 @@ impl PgTx {
              (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
               FROM result_outbox_id_seq), \
              COALESCE((SELECT {FENCE_PASSED} AND f.floor <= f.fence_id \
+              FROM result_relay_floor AS f), false), \
+             COALESCE((SELECT {FENCE_PASSED} AND f.fence_id < \
+               (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
+                FROM result_outbox_id_seq) \
               FROM result_relay_floor AS f), false) \
              FROM (SELECT set_config('idle_in_transaction_session_timeout', $1, true){}) AS p",
             Planner::Keyed.settings()
         );
-        let (turn, handed_out, window_closable): (bool, i64, bool) = sqlx::query_as(&sql)
-            .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
-            .bind(RELAY_TURN)
-            .fetch_one(&mut *self.0)
-            .await?;
+        let (turn, handed_out, window_closable, fence_behind): (bool, i64, bool, bool) =
+            sqlx::query_as(&sql)
+                .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
+                .bind(RELAY_TURN)
+                .fetch_one(&mut *self.0)
+                .await?;
         Ok(turn.then_some(RelayTurn {
             handed_out,
             window_closable,
+            fence_behind,
         }))
     }
 
@@ -289,11 +295,13 @@ impl PgTx {
     /// xid). Without it a floor held back by a long transaction stayed put after that
     /// transaction ended until traffic came back, and every idle round read the whole
     /// window. Called only when the turn found it due ([`RelayTurn::window_closable`]),
-    /// so an idle round costs no statement more.
+    /// so an idle round costs no statement more; writes only when the floor moves (a row
+    /// leased by another relay at the floor keeps it, and the update then changes no row
+    /// and takes no xid).
     async fn close_relay_window(&mut self) -> Result<()> {
         sqlx::query(&format!(
             "UPDATE result_relay_floor AS f SET floor = {FLOOR_PAST_FENCE} \
-             WHERE {FENCE_PASSED} AND f.floor <= f.fence_id"
+             WHERE {FENCE_PASSED} AND f.floor <= f.fence_id AND {FLOOR_PAST_FENCE} > f.floor"
         ))
         .execute(&mut *self.0)
         .await?;
@@ -619,6 +627,24 @@ struct RelayTurn {
     /// The stored fence has passed and the floor is still below it: a turn that takes
     /// nothing closes the window ([`PgTx::close_relay_window`]).
     window_closable: bool,
+    /// The stored fence has passed and ids were handed out after it (the last round that
+    /// took rows kept a fence it could not pass yet, or took rows committed after its
+    /// turn began): a turn that takes nothing stores a new fence, as one that took rows
+    /// does, so the window can close once traffic stops.
+    fence_behind: bool,
+}
+
+impl RelayTurn {
+    /// What a turn that took nothing does for the floor.
+    async fn idle(&self, tx: &mut PgTx) -> Result<()> {
+        if self.fence_behind {
+            tx.raise_relay_floor(self.handed_out).await
+        } else if self.window_closable {
+            tx.close_relay_window().await
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// The stored fence of the relay floor has passed: no transaction older than its xid still
@@ -1368,9 +1394,7 @@ impl Ledger for PgLedger {
             };
             let rows = tx.pick_results(request.limit).await?;
             if rows.is_empty() {
-                if turn.window_closable {
-                    tx.close_relay_window().await?;
-                }
+                turn.idle(&mut tx).await?;
                 return Ok(rows);
             }
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
@@ -1405,9 +1429,7 @@ impl Ledger for PgLedger {
         };
         let rows = tx.pick_results(request.limit).await?;
         if rows.is_empty() {
-            if turn.window_closable {
-                tx.close_relay_window().await?;
-            }
+            turn.idle(&mut tx).await?;
             tx.0.commit().await?;
             return Ok(RelayRound::default());
         }
@@ -2214,6 +2236,27 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(ledger.stats().await?.relay_window, 0);
+
+        // The last rounds that took rows ran while another transaction held their fences
+        // back, then that transaction ends and traffic stops: rounds that take nothing
+        // store a fence past those rows and close the window all the same.
+        let mut holder = ledger.pool.begin().await?;
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&mut *holder)
+            .await?;
+        for _ in 0..3 {
+            seq += 1;
+            write_and_relay(seq).await?;
+        }
+        holder.commit().await?;
+        for _ in deadline_rounds() {
+            if ledger.stats().await?.relay_window == 0 {
+                break;
+            }
+            assert_eq!(relay().await?.taken, 0);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(ledger.stats().await?.relay_window, 0);
         Ok(())
     }
 
@@ -2289,13 +2332,13 @@ mod tests {
         let seen = published.lock().expect("published").clone();
         assert_eq!(seen.iter().filter(|&&s| s == 1).count(), 1, "{seen:?}");
 
-        // A lease that runs out: another relay leases a row and never marks it (2 s: the six
-        // rounds below fit in it on a loaded machine).
+        // A lease that runs out: another relay leases a row and never marks it (30 s, run
+        // out by hand below, so the six rounds under it fit however loaded the machine).
         let leased_id = write(500).await?;
         let mut leased = Vec::new();
         for _ in deadline_rounds() {
             // Empty while another test's relay has the server's turn.
-            leased = ledger.claim_results(&request("stalled", 2_000)).await?;
+            leased = ledger.claim_results(&request("stalled", 30_000)).await?;
             if !leased.is_empty() {
                 break;
             }
@@ -2337,7 +2380,12 @@ mod tests {
             past(refused_id, 10_000).await?,
             "the floor stayed below a published row"
         );
-        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        sqlx::query(
+            "UPDATE result_outbox SET claimed_until = now() - interval '1 second' WHERE id = $1",
+        )
+        .bind(leased_id)
+        .execute(&ledger.pool)
+        .await?;
         assert!(
             past(leased_id, 20_000).await?,
             "the floor never passed the lease"

@@ -317,8 +317,10 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
-    /// What ingest writes for the operations it created: their history entries, queue
-    /// rows (none `Done`) and result rows. PostgreSQL writes the three in one statement.
+    /// What an ingest writes after its operations: the history entries and queue rows of
+    /// those it created, and the batch's result rows (created, deduplicated, refused), in
+    /// order. PostgreSQL writes the three in one statement when none is empty and no queue
+    /// row is `Done`.
     fn insert_ingested(
         &mut self,
         events: &[NewEvent<'_>],
