@@ -20,23 +20,23 @@
 //! A panic in the ledger call drops the group's answers, and the lanes waiting for them
 //! panic in turn: the member stops, as it did when a lane's own ledger call panicked.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opgate_core::IngestItem;
 use opgate_store::{IngestOutcome, Ledger, SharedLedger};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::debug;
 
-/// Groups in the ledger at once, at most: while one commits, the next gathers. The second
-/// place opens only beside a group that has been in the ledger for [`SECOND_AFTER`] (one
-/// that waits for a lock, or a ledger that is slow): as long as groups commit sooner, one
+/// Groups in the ledger at once, at most: while one commits, the next gathers. A second
+/// goes in only beside a group that has been in the ledger for [`SECOND_AFTER`] (one that
+/// waits for a lock, or a ledger that is slow; [`place`]): as long as groups commit sooner, one
 /// at a time leaves the ledger's time to dispatch, which is where a backlog's operations
 /// wait (two at once ingested a third faster alone, but made the whole path ~5% slower and
 /// its CPU per operation ~7% higher on this 2-core host; BENCHMARKS.md, 2026-12-04).
 pub(super) const IN_FLIGHT: usize = 2;
 
-/// How long a group is in the ledger alone before a second may join it.
+/// How long the groups in the ledger have been there before another may join them.
 pub(super) const SECOND_AFTER: Duration = Duration::from_millis(250);
 
 /// The longest a group waits for a lock.
@@ -89,13 +89,11 @@ impl Group {
 impl Committer {
     /// Commits groups until every [`Group`] handle is dropped.
     pub(super) async fn run(mut self, ledger: SharedLedger) {
-        // The first place, and the second, taken only beside a group that has been in the
-        // ledger for SECOND_AFTER (its start is `first_since`).
-        let first_place = Arc::new(Semaphore::new(1));
-        let second_place = Arc::new(Semaphore::new(IN_FLIGHT - 1));
-        let mut first_since = Instant::now();
+        // When each group now in the ledger went in; a group takes its own out when done.
+        let in_ledger: Arc<Mutex<Vec<(u64, Instant)>>> = Arc::default();
+        let done = Arc::new(Notify::new());
         let mut next = None;
-        loop {
+        for id in 0u64.. {
             let first = match next.take() {
                 Some(request) => request,
                 None => match self.rx.recv().await {
@@ -104,20 +102,20 @@ impl Committer {
                 },
             };
             // While the groups in the ledger commit, the next one gathers.
-            let permit = tokio::select! {
-                biased;
-                p = first_place.clone().acquire_owned() => {
-                    first_since = Instant::now();
-                    p
+            loop {
+                let started: Vec<Instant> = lock(&in_ledger).iter().map(|(_, at)| *at).collect();
+                match place(&started, Instant::now()) {
+                    Place::Now => break,
+                    Place::In(wait) => {
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = done.notified() => {}
+                        }
+                    }
+                    Place::WhenOneEnds => done.notified().await,
                 }
-                p = async {
-                    tokio::time::sleep_until((first_since + SECOND_AFTER).into()).await;
-                    second_place.clone().acquire_owned().await
-                } => p,
-            };
-            let Ok(permit) = permit else {
-                return;
-            };
+            }
+            lock(&in_ledger).push((id, Instant::now()));
             let mut size = first.items.len();
             let mut group = vec![first];
             while let Ok(request) = self.rx.try_recv() {
@@ -128,13 +126,58 @@ impl Committer {
                 size += request.items.len();
                 group.push(request);
             }
+            // Out of the ledger however the commit ends (a panic unwinds through it, and a
+            // task dropped unpolled drops it too).
+            let out = Out(in_ledger.clone(), id, done.clone());
             let ledger = ledger.clone();
             tokio::spawn(async move {
+                let _out = out;
                 commit(ledger.as_ref(), group).await;
-                drop(permit);
             });
         }
     }
+}
+
+/// When the next group may go into the ledger, given when each group now there went in.
+#[derive(Debug, PartialEq, Eq)]
+enum Place {
+    /// At once.
+    Now,
+    /// After this long (or sooner, when a group ends).
+    In(Duration),
+    /// When a group ends.
+    WhenOneEnds,
+}
+
+/// The group commit's rule ([`IN_FLIGHT`], [`SECOND_AFTER`]): a group goes in at once when
+/// the ledger has none, beside others only once every one of them has been there
+/// `SECOND_AFTER`, and never beside `IN_FLIGHT` of them.
+fn place(started: &[Instant], now: Instant) -> Place {
+    let Some(youngest) = started.iter().max() else {
+        return Place::Now;
+    };
+    if started.len() >= IN_FLIGHT {
+        return Place::WhenOneEnds;
+    }
+    match (*youngest + SECOND_AFTER).checked_duration_since(now) {
+        Some(wait) if !wait.is_zero() => Place::In(wait),
+        _ => Place::Now,
+    }
+}
+
+/// A group's place in the ledger, given back when dropped.
+struct Out(Arc<Mutex<Vec<(u64, Instant)>>>, u64, Arc<Notify>);
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        lock(&self.0).retain(|(id, _)| *id != self.1);
+        // One waiter (the committer): a permit is kept if it is not waiting yet.
+        self.2.notify_one();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Ingests a group in one transaction and answers each of its batches.
@@ -205,6 +248,31 @@ mod tests {
             Some(outcomes) => outcomes.iter().map(|o| o.event_id.clone()).collect(),
             None => vec!["alone".into()],
         }
+    }
+
+    #[test]
+    fn a_group_goes_in_alone_or_beside_groups_that_have_been_in_long_enough() {
+        let now = Instant::now();
+        let ago = |ms: u64| now - Duration::from_millis(ms);
+        assert_eq!(place(&[], now), Place::Now);
+        // One young group: wait for it to have been there SECOND_AFTER (or to end).
+        assert_eq!(
+            place(&[ago(100)], now),
+            Place::In(Duration::from_millis(150))
+        );
+        assert_eq!(place(&[ago(250)], now), Place::Now);
+        assert_eq!(place(&[ago(900)], now), Place::Now);
+        // Never beside IN_FLIGHT groups, however old.
+        assert_eq!(place(&[ago(900), ago(800)], now), Place::WhenOneEnds);
+    }
+
+    #[test]
+    fn after_a_slow_group_ends_the_next_waits_for_the_young_one_beside_it() {
+        // A slow group let a second in; it has ended, the second has been there 50 ms:
+        // the next group waits until that one has been there SECOND_AFTER.
+        let now = Instant::now();
+        let second = now - Duration::from_millis(50);
+        assert_eq!(place(&[second], now), Place::In(Duration::from_millis(200)));
     }
 
     #[test]
