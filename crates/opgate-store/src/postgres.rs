@@ -2228,14 +2228,21 @@ mod tests {
 
         // Traffic stops: rounds that take nothing still bring the floor up to the last
         // fence once it has passed, so the read window closes (and the gauge with it).
-        for _ in deadline_rounds() {
-            if ledger.stats().await?.relay_window == 0 {
-                break;
+        let idle_until_closed = || {
+            let (ledger, relay) = (&ledger, &relay);
+            async move {
+                for _ in deadline_rounds() {
+                    if ledger.stats().await?.relay_window == 0 {
+                        break;
+                    }
+                    assert_eq!(relay().await?.taken, 0);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                assert_eq!(ledger.stats().await?.relay_window, 0);
+                Ok::<(), Error>(())
             }
-            assert_eq!(relay().await?.taken, 0);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(ledger.stats().await?.relay_window, 0);
+        };
+        idle_until_closed().await?;
 
         // The last rounds that took rows ran while another transaction held their fences
         // back, then that transaction ends and traffic stops: rounds that take nothing
@@ -2249,14 +2256,7 @@ mod tests {
             write_and_relay(seq).await?;
         }
         holder.commit().await?;
-        for _ in deadline_rounds() {
-            if ledger.stats().await?.relay_window == 0 {
-                break;
-            }
-            assert_eq!(relay().await?.taken, 0);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(ledger.stats().await?.relay_window, 0);
+        idle_until_closed().await?;
         Ok(())
     }
 
