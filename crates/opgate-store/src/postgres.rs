@@ -227,31 +227,32 @@ impl PgTx {
     /// else in the transaction: the next fence of the relay floor
     /// ([`PgTx::raise_relay_floor`]). The turn's reads walk the primary key from the
     /// floor, so the turn plans as the hot path does ([`Planner::Keyed`]: no sequential
-    /// scans, no JIT, generic plans).
+    /// scans, no JIT, generic plans). With it too, the floor as it stands, for what a turn
+    /// that takes nothing does ([`idle_floor`]).
     async fn take_relay_turn(&mut self, lease: Duration) -> Result<Option<RelayTurn>> {
         let sql = format!(
-            "SELECT pg_try_advisory_xact_lock($2, 0), \
-             (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
-              FROM result_outbox_id_seq), \
-             COALESCE((SELECT {FENCE_PASSED} AND f.floor <= f.fence_id \
-              FROM result_relay_floor AS f), false), \
-             COALESCE((SELECT {FENCE_PASSED} AND f.fence_id < \
-               (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
-                FROM result_outbox_id_seq) \
-              FROM result_relay_floor AS f), false) \
-             FROM (SELECT set_config('idle_in_transaction_session_timeout', $1, true){}) AS p",
+            "SELECT pg_try_advisory_xact_lock($2, 0), h.handed_out, {FENCE_PASSED}, \
+               f.floor, f.fence_id \
+             FROM (SELECT set_config('idle_in_transaction_session_timeout', $1, true){}) AS p \
+             CROSS JOIN (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END \
+               AS handed_out FROM result_outbox_id_seq) AS h \
+             LEFT JOIN result_relay_floor AS f ON true",
             Planner::Keyed.settings()
         );
-        let (turn, handed_out, window_closable, fence_behind): (bool, i64, bool, bool) =
-            sqlx::query_as(&sql)
-                .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
-                .bind(RELAY_TURN)
-                .fetch_one(&mut *self.0)
-                .await?;
+        let (turn, handed_out, passed, floor, fence_id): (
+            bool,
+            i64,
+            bool,
+            Option<i64>,
+            Option<i64>,
+        ) = sqlx::query_as(&sql)
+            .bind(millis(lease).clamp(1, i64::from(i32::MAX)).to_string())
+            .bind(RELAY_TURN)
+            .fetch_one(&mut *self.0)
+            .await?;
         Ok(turn.then_some(RelayTurn {
             handed_out,
-            window_closable,
-            fence_behind,
+            idle: idle_floor(passed, floor, fence_id, handed_out),
         }))
     }
 
@@ -272,9 +273,10 @@ impl PgTx {
     /// just past the fence; and this turn's fence replaces the old one. A fence not yet
     /// passed stays, and the floor with it; one from the future (a dump restored into
     /// another server, whose xids start lower) is replaced, the floor left where it is.
-    /// Called by a turn that took rows, after they are marked or leased, with what
-    /// [`PgTx::take_relay_turn`] read; the turn's own transaction id becomes the new
-    /// fence's (a turn that takes nothing writes nothing and takes no xid).
+    /// Called by a turn that took rows, after they are marked or leased, and by one that
+    /// took nothing when ids were handed out past a passed fence ([`idle_floor`]), with
+    /// what [`PgTx::take_relay_turn`] read; the turn's own transaction id becomes the new
+    /// fence's.
     async fn raise_relay_floor(&mut self, handed_out: i64) -> Result<()> {
         const RENEW: &str = "(f.fence_xid IS NULL OR f.fence_xid > pg_current_xact_id())";
         sqlx::query(&format!(
@@ -294,8 +296,8 @@ impl PgTx {
     /// passed ([`PgTx::raise_relay_floor`]'s rule; no new fence, which would take an
     /// xid). Without it a floor held back by a long transaction stayed put after that
     /// transaction ended until traffic came back, and every idle round read the whole
-    /// window. Called only when the turn found it due ([`RelayTurn::window_closable`]),
-    /// so an idle round costs no statement more; writes only when the floor moves (a row
+    /// window. Called only when the turn found it due ([`IdleFloor::Close`]), so an idle
+    /// round costs no statement more; writes only when the floor moves (a row
     /// leased by another relay at the floor keeps it, and the update then changes no row
     /// and takes no xid).
     async fn close_relay_window(&mut self) -> Result<()> {
@@ -624,26 +626,48 @@ fn bind_op_state<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
 struct RelayTurn {
     /// The highest result id handed out when the turn began: the next fence.
     handed_out: i64,
-    /// The stored fence has passed and the floor is still below it: a turn that takes
-    /// nothing closes the window ([`PgTx::close_relay_window`]).
-    window_closable: bool,
-    /// The stored fence has passed and ids were handed out after it (the last round that
-    /// took rows kept a fence it could not pass yet, or took rows committed after its
-    /// turn began): a turn that takes nothing stores a new fence, as one that took rows
-    /// does, so the window can close once traffic stops.
-    fence_behind: bool,
+    /// What the turn does for the floor if it takes nothing.
+    idle: IdleFloor,
 }
 
 impl RelayTurn {
     /// What a turn that took nothing does for the floor.
     async fn idle(&self, tx: &mut PgTx) -> Result<()> {
-        if self.fence_behind {
-            tx.raise_relay_floor(self.handed_out).await
-        } else if self.window_closable {
-            tx.close_relay_window().await
-        } else {
-            Ok(())
+        match self.idle {
+            IdleFloor::Raise => tx.raise_relay_floor(self.handed_out).await,
+            IdleFloor::Close => tx.close_relay_window().await,
+            IdleFloor::Keep => Ok(()),
         }
+    }
+}
+
+/// What a relay turn that takes nothing does for the floor ([`idle_floor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleFloor {
+    /// Nothing: no fence has passed, or the floor is past it and no id was handed out since.
+    Keep,
+    /// Bring the floor up to the passed fence ([`PgTx::close_relay_window`]).
+    Close,
+    /// Store a new fence as a turn that took rows does ([`PgTx::raise_relay_floor`]).
+    Raise,
+}
+
+/// The idle turn's rule, from what the turn read: whether the stored fence has passed, the
+/// floor and the fence's id (none before migration 0010's row), and the highest id handed
+/// out. A passed fence with ids handed out after it (the last rounds that took rows kept a
+/// fence they could not pass yet, or took rows committed after their turn began) gets a
+/// new fence, so the window can close once traffic stops; a passed fence the floor is still
+/// below brings the floor up to it.
+fn idle_floor(
+    passed: bool,
+    floor: Option<i64>,
+    fence_id: Option<i64>,
+    handed_out: i64,
+) -> IdleFloor {
+    match (passed, floor, fence_id) {
+        (true, Some(_), Some(fence)) if fence < handed_out => IdleFloor::Raise,
+        (true, Some(floor), Some(fence)) if floor <= fence => IdleFloor::Close,
+        _ => IdleFloor::Keep,
     }
 }
 
@@ -714,6 +738,22 @@ const QUEUE_TYPES: [&str; 7] = [
 ];
 const QUEUE_UPSERT: &str = "ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
     ready_at = EXCLUDED.ready_at";
+
+/// History rows ([`bind_events`]).
+static INSERT_EVENTS_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{INSERT_EVENTS} SELECT * FROM {}",
+        unnest_at(1, &EVENT_TYPES)
+    )
+});
+
+/// Queue rows, inserted or updated ([`bind_queue`]).
+static PUT_QUEUE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}",
+        unnest_at(1, &QUEUE_TYPES)
+    )
+});
 
 /// What ingest writes for the operations it created, in one statement: history, queue
 /// rows and result rows ([`PgTx::insert_ingested`]). The result rows' insert fires its
@@ -1073,11 +1113,7 @@ impl Tx for PgTx {
         if events.is_empty() {
             return Ok(());
         }
-        let sql = format!(
-            "{INSERT_EVENTS} SELECT * FROM {}",
-            unnest_at(1, &EVENT_TYPES)
-        );
-        bind_events(sqlx::query(&sql), events)
+        bind_events(sqlx::query(&INSERT_EVENTS_SQL), events)
             .execute(&mut *self.0)
             .await?;
         Ok(())
@@ -1117,11 +1153,7 @@ impl Tx for PgTx {
                 .await?;
         }
         if !rows.is_empty() {
-            let sql = format!(
-                "{PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}",
-                unnest_at(1, &QUEUE_TYPES)
-            );
-            bind_queue(sqlx::query(&sql), &rows)
+            bind_queue(sqlx::query(&PUT_QUEUE_SQL), &rows)
                 .execute(&mut *self.0)
                 .await?;
         }
@@ -1768,6 +1800,21 @@ async fn listen_once(pool: &PgPool, signal: &Signal, channel: &str, me: &str) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_relay_turn_renews_a_passed_fence_behind_the_ids_and_else_closes_up_to_it() {
+        // Ids handed out past a passed fence: a new fence, whatever the floor.
+        assert_eq!(idle_floor(true, Some(5), Some(10), 12), IdleFloor::Raise);
+        assert_eq!(idle_floor(true, Some(11), Some(10), 12), IdleFloor::Raise);
+        // None since: bring the floor up to the fence, unless it is there already.
+        assert_eq!(idle_floor(true, Some(5), Some(10), 10), IdleFloor::Close);
+        assert_eq!(idle_floor(true, Some(10), Some(10), 10), IdleFloor::Close);
+        assert_eq!(idle_floor(true, Some(11), Some(10), 10), IdleFloor::Keep);
+        // A fence not passed yet, or none stored, or no floor row: nothing.
+        assert_eq!(idle_floor(false, Some(5), Some(10), 12), IdleFloor::Keep);
+        assert_eq!(idle_floor(true, Some(1), None, 12), IdleFloor::Keep);
+        assert_eq!(idle_floor(false, None, None, 12), IdleFloor::Keep);
+    }
 
     /// The batched insert writes every column the reads know ([`OP_COLUMNS`]), each once.
     #[test]
