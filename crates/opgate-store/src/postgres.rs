@@ -18,7 +18,8 @@ use crate::common::{
     unknown_exits_sql, waited_ms,
 };
 use crate::flow::{
-    self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Tx,
+    self, GUARD_IGNORES, GuardProbe, InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Rows, Tx,
+    write_rows_in_turn,
 };
 use crate::schema::{self, SchemaStatus};
 use crate::signal::{Changes, Signal};
@@ -560,11 +561,12 @@ static INSERT_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Writes operations' state: their ids, then [`bind_op_state`].
-static UPDATE_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
+/// Writes operations' state: their ids, then [`bind_op_state`], numbered from `$first`.
+fn update_operations_at(first: usize) -> String {
     let id = [("operation_id", "uuid")];
     let columns = || id.iter().chain(&OP_STATE);
     let names: Vec<&str> = columns().map(|(name, _)| *name).collect();
+    let types: Vec<&str> = columns().map(|(_, ty)| *ty).collect();
     let sets: Vec<String> = OP_STATE
         .iter()
         .map(|(name, _)| format!("{name} = v.{name}"))
@@ -572,10 +574,15 @@ static UPDATE_OPERATIONS: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE operation_state AS o SET {} FROM {} AS v({}) WHERE o.operation_id = v.operation_id",
         sets.join(", "),
-        unnest_sql(columns()),
+        unnest_at(first, &types),
         names.join(", ")
     )
-});
+}
+
+/// Binds operations' ids and state ([`update_operations_at`]).
+fn bind_operations<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
+    bind_op_state(query.bind(column(ops, |op| op.operation_id)), ops)
+}
 
 /// Binds [`OP_IDENTITY`]'s arrays.
 fn bind_op_identity<'q>(query: PgQuery<'q>, ops: &'q [Operation]) -> PgQuery<'q> {
@@ -690,11 +697,6 @@ const FLOOR_PAST_FENCE: &str = "GREATEST(f.floor, COALESCE( \
 const UNPUBLISHED: &str =
     "WHERE id >= COALESCE((SELECT floor FROM result_relay_floor), 0) AND published_at IS NULL";
 
-/// Result rows, each with the next id of `result_outbox_id_seq` (drawn after the
-/// transaction has its xid: migration 0011's trigger).
-static INSERT_OUTBOX: LazyLock<String> =
-    LazyLock::new(|| format!("{PUT_OUTBOX} SELECT * FROM {}", unnest_at(1, &OUTBOX_TYPES)));
-
 /// The start of an outbox insert, of rows [`OUTBOX_TYPES`] bound by [`bind_outbox`].
 const PUT_OUTBOX: &str = "INSERT INTO result_outbox (operation_id, seq, status, kafka_key, \
     payload, traceparent, created_at)";
@@ -739,37 +741,163 @@ const QUEUE_TYPES: [&str; 7] = [
 const QUEUE_UPSERT: &str = "ON CONFLICT (operation_id) DO UPDATE SET state = EXCLUDED.state, \
     ready_at = EXCLUDED.ready_at";
 
-/// History rows ([`bind_events`]).
-static INSERT_EVENTS_SQL: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "{INSERT_EVENTS} SELECT * FROM {}",
-        unnest_at(1, &EVENT_TYPES)
-    )
-});
+/// The start of an attempt insert, of rows [`ATTEMPT_TYPES`] bound by [`bind_attempts`].
+const INSERT_ATTEMPTS: &str =
+    "INSERT INTO attempts (attempt_id, operation_id, number, epoch, worker, started_at)";
+const ATTEMPT_TYPES: [&str; 6] = ["uuid", "uuid", "int4", "int8", "text", "timestamptz"];
 
-/// Queue rows, inserted or updated ([`bind_queue`]).
-static PUT_QUEUE_SQL: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "{PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}",
-        unnest_at(1, &QUEUE_TYPES)
-    )
-});
+/// The kinds of rows a claim, a record or an ingest writes ([`Rows`]), in the order one
+/// statement writes them ([`rows_sql`]). Each kind has one statement text, used on its own
+/// and as a part of the combined statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Attempts,
+    Events,
+    /// Queue rows of finished operations: deleted.
+    Done,
+    /// Queue rows inserted or updated.
+    Queue,
+    /// Result rows, each with the next id of `result_outbox_id_seq`, drawn after the
+    /// transaction has its xid (migration 0011's statement trigger fires before the part
+    /// draws one, in the combined statement too).
+    Outbox,
+    Operations,
+    /// Attempts that ended.
+    Finished,
+}
 
-/// What ingest writes for the operations it created, in one statement: history, queue
-/// rows and result rows ([`PgTx::insert_ingested`]). The result rows' insert fires its
-/// statement trigger before drawing an id, as on its own (migration 0011).
-static INSERT_INGESTED: LazyLock<String> = LazyLock::new(|| {
-    let queue_at = 1 + EVENT_TYPES.len();
-    let outbox_at = queue_at + QUEUE_TYPES.len();
-    format!(
-        "WITH e AS ({INSERT_EVENTS} SELECT * FROM {}), \
-         q AS ({PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}) \
-         {PUT_OUTBOX} SELECT * FROM {}",
-        unnest_at(1, &EVENT_TYPES),
-        unnest_at(queue_at, &QUEUE_TYPES),
-        unnest_at(outbox_at, &OUTBOX_TYPES)
-    )
-});
+const PARTS: [Part; 7] = [
+    Part::Attempts,
+    Part::Events,
+    Part::Done,
+    Part::Queue,
+    Part::Outbox,
+    Part::Operations,
+    Part::Finished,
+];
+
+impl Part {
+    /// Its bit in a set of parts ([`rows_sql`]).
+    fn bit(self) -> usize {
+        1 << self as usize
+    }
+
+    /// How many parameters its statement binds.
+    fn params(self) -> usize {
+        match self {
+            Part::Attempts => ATTEMPT_TYPES.len(),
+            Part::Events => EVENT_TYPES.len(),
+            Part::Done => 1,
+            Part::Queue => QUEUE_TYPES.len(),
+            Part::Outbox => OUTBOX_TYPES.len(),
+            Part::Operations => 1 + OP_STATE.len(),
+            // The arrays, then when the attempts ended.
+            Part::Finished => 8,
+        }
+    }
+
+    /// Its statement, parameters numbered from `$first`.
+    fn sql(self, first: usize) -> String {
+        match self {
+            Part::Attempts => format!(
+                "{INSERT_ATTEMPTS} SELECT * FROM {}",
+                unnest_at(first, &ATTEMPT_TYPES)
+            ),
+            Part::Events => format!(
+                "{INSERT_EVENTS} SELECT * FROM {}",
+                unnest_at(first, &EVENT_TYPES)
+            ),
+            Part::Done => {
+                format!("DELETE FROM dispatch_queue WHERE operation_id = ANY(${first}::uuid[])")
+            }
+            Part::Queue => format!(
+                "{PUT_QUEUE} SELECT * FROM {} {QUEUE_UPSERT}",
+                unnest_at(first, &QUEUE_TYPES)
+            ),
+            Part::Outbox => format!(
+                "{PUT_OUTBOX} SELECT * FROM {}",
+                unnest_at(first, &OUTBOX_TYPES)
+            ),
+            Part::Operations => update_operations_at(first),
+            Part::Finished => format!(
+                "UPDATE attempts AS a SET finished_at = ${}, outcome = v.outcome, \
+                 http_status = v.http_status, error_category = v.error_category, \
+                 latency_ms = v.latency_ms, provider_request_id = v.provider_request_id \
+                 FROM {} AS v(attempt_id, operation_id, outcome, http_status, error_category, \
+                 latency_ms, provider_request_id) \
+                 WHERE a.attempt_id = v.attempt_id AND a.operation_id = v.operation_id",
+                first + 7,
+                unnest_at(
+                    first,
+                    &["uuid", "uuid", "text", "int4", "text", "int8", "text"]
+                )
+            ),
+        }
+    }
+
+    /// Its statement on its own.
+    fn alone(self) -> &'static str {
+        rows_sql(self.bit())
+    }
+}
+
+/// One statement writing the parts in the set `parts` (bits of [`Part::bit`]), each part
+/// a data-modifying `WITH` item but the last. Built once per set. The parts touch
+/// different rows of different tables, so none needs to see another's writes (they share
+/// one snapshot): [`PgTx::write_rows`] writes in turn what does not fit that.
+fn rows_sql(parts: usize) -> &'static str {
+    static SQL: [OnceLock<String>; 1 << PARTS.len()] =
+        [const { OnceLock::new() }; 1 << PARTS.len()];
+    SQL[parts].get_or_init(|| {
+        let mut first = 1;
+        let mut statements = Vec::new();
+        for part in PARTS.iter().filter(|part| parts & part.bit() != 0) {
+            statements.push(part.sql(first));
+            first += part.params();
+        }
+        let last = statements.pop().unwrap_or_default();
+        if statements.is_empty() {
+            return last;
+        }
+        let items: Vec<String> = statements
+            .iter()
+            .enumerate()
+            .map(|(i, sql)| format!("w{i} AS ({sql})"))
+            .collect();
+        format!("WITH {} {last}", items.join(", "))
+    })
+}
+
+/// Binds new attempts' arrays ([`ATTEMPT_TYPES`]).
+fn bind_attempts<'q, 'a: 'q>(query: PgQuery<'q>, attempts: &'q [NewAttempt<'a>]) -> PgQuery<'q> {
+    query
+        .bind(column(attempts, |a| a.attempt_id))
+        .bind(column(attempts, |a| a.operation_id))
+        .bind(column(attempts, |a| a.number as i32))
+        .bind(column(attempts, |a| a.epoch))
+        .bind(column(attempts, |a| a.worker))
+        .bind(column(attempts, |a| a.started_at))
+}
+
+/// An attempt that ended: (operation, attempt, what it observed).
+type Finished<'r> = (Uuid, Uuid, &'r AttemptReport);
+
+/// Binds ended attempts' arrays and when they ended ([`Part::Finished`]).
+fn bind_finished<'q>(
+    query: PgQuery<'q>,
+    attempts: &'q [Finished<'q>],
+    at: OffsetDateTime,
+) -> PgQuery<'q> {
+    query
+        .bind(column(attempts, |(_, attempt, _)| *attempt))
+        .bind(column(attempts, |(op, ..)| *op))
+        .bind(column(attempts, |(.., r)| r.outcome.as_str()))
+        .bind(column(attempts, |(.., r)| r.http_status.map(i32::from)))
+        .bind(column(attempts, |(.., r)| r.error_category.as_deref()))
+        .bind(column(attempts, |(.., r)| r.latency.map(millis)))
+        .bind(column(attempts, |(.., r)| r.provider_request_id.as_deref()))
+        .bind(at)
+}
 
 /// Binds history rows' arrays ([`EVENT_TYPES`]).
 fn bind_events<'q, 'e: 'q>(query: PgQuery<'q>, events: &'q [NewEvent<'e>]) -> PgQuery<'q> {
@@ -1113,7 +1241,7 @@ impl Tx for PgTx {
         if events.is_empty() {
             return Ok(());
         }
-        bind_events(sqlx::query(&INSERT_EVENTS_SQL), events)
+        bind_events(sqlx::query(Part::Events.alone()), events)
             .execute(&mut *self.0)
             .await?;
         Ok(())
@@ -1133,8 +1261,9 @@ impl Tx for PgTx {
         if ops.is_empty() {
             return Ok(());
         }
-        let query = sqlx::query(&UPDATE_OPERATIONS).bind(column(ops, |op| op.operation_id));
-        bind_op_state(query, ops).execute(&mut *self.0).await?;
+        bind_operations(sqlx::query(Part::Operations.alone()), ops)
+            .execute(&mut *self.0)
+            .await?;
         Ok(())
     }
 
@@ -1147,13 +1276,13 @@ impl Tx for PgTx {
             .iter()
             .partition(|(_, state, _)| *state == QueueState::Done);
         if !done.is_empty() {
-            sqlx::query("DELETE FROM dispatch_queue WHERE operation_id = ANY($1)")
+            sqlx::query(Part::Done.alone())
                 .bind(column(&done, |(op, ..)| op.operation_id))
                 .execute(&mut *self.0)
                 .await?;
         }
         if !rows.is_empty() {
-            bind_queue(sqlx::query(&PUT_QUEUE_SQL), &rows)
+            bind_queue(sqlx::query(Part::Queue.alone()), &rows)
                 .execute(&mut *self.0)
                 .await?;
         }
@@ -1164,19 +1293,9 @@ impl Tx for PgTx {
         if attempts.is_empty() {
             return Ok(());
         }
-        sqlx::query(
-            "INSERT INTO attempts (attempt_id, operation_id, number, epoch, worker, started_at) \
-             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::int8[], $5::text[], \
-             $6::timestamptz[])",
-        )
-        .bind(column(attempts, |a| a.attempt_id))
-        .bind(column(attempts, |a| a.operation_id))
-        .bind(column(attempts, |a| a.number as i32))
-        .bind(column(attempts, |a| a.epoch))
-        .bind(column(attempts, |a| a.worker))
-        .bind(column(attempts, |a| a.started_at))
-        .execute(&mut *self.0)
-        .await?;
+        bind_attempts(sqlx::query(Part::Attempts.alone()), attempts)
+            .execute(&mut *self.0)
+            .await?;
         Ok(())
     }
 
@@ -1188,25 +1307,9 @@ impl Tx for PgTx {
         if attempts.is_empty() {
             return Ok(());
         }
-        sqlx::query(
-            "UPDATE attempts AS a SET finished_at = $8, outcome = v.outcome, \
-             http_status = v.http_status, error_category = v.error_category, \
-             latency_ms = v.latency_ms, provider_request_id = v.provider_request_id \
-             FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int4[], $5::text[], $6::int8[], \
-             $7::text[]) AS v(attempt_id, operation_id, outcome, http_status, error_category, \
-             latency_ms, provider_request_id) \
-             WHERE a.attempt_id = v.attempt_id AND a.operation_id = v.operation_id",
-        )
-        .bind(column(attempts, |(_, attempt, _)| *attempt))
-        .bind(column(attempts, |(op, ..)| *op))
-        .bind(column(attempts, |(.., r)| r.outcome.as_str()))
-        .bind(column(attempts, |(.., r)| r.http_status.map(i32::from)))
-        .bind(column(attempts, |(.., r)| r.error_category.as_deref()))
-        .bind(column(attempts, |(.., r)| r.latency.map(millis)))
-        .bind(column(attempts, |(.., r)| r.provider_request_id.as_deref()))
-        .bind(at)
-        .execute(&mut *self.0)
-        .await?;
+        bind_finished(sqlx::query(Part::Finished.alone()), attempts, at)
+            .execute(&mut *self.0)
+            .await?;
         Ok(())
     }
 
@@ -1217,31 +1320,59 @@ impl Tx for PgTx {
         if rows.is_empty() {
             return Ok(());
         }
-        bind_outbox(sqlx::query(&INSERT_OUTBOX), rows)
+        bind_outbox(sqlx::query(Part::Outbox.alone()), rows)
             .execute(&mut *self.0)
             .await?;
         Ok(())
     }
 
-    async fn insert_ingested(
-        &mut self,
-        events: &[NewEvent<'_>],
-        queue: &[QueueRow<'_>],
-        outbox: &[NewOutbox],
-    ) -> Result<()> {
-        // Ingest's usual shape: every part has rows, no queue row is finished.
-        if events.is_empty()
-            || outbox.is_empty()
-            || queue.is_empty()
-            || queue.iter().any(|(_, state, _)| *state == QueueState::Done)
-        {
-            self.insert_events_batch(events).await?;
-            self.put_queue_rows(queue).await?;
-            return self.insert_outbox_batch(outbox).await;
+    /// In one statement ([`rows_sql`]) of the kinds of rows there are, unless an
+    /// operation has two queue rows or an attempt might be inserted and ended at once:
+    /// then in turn, as each part must see the one before.
+    async fn write_rows(&mut self, rows: &Rows<'_>, at: OffsetDateTime) -> Result<()> {
+        let mut ids = std::collections::HashSet::with_capacity(rows.queue.len());
+        let twice = !rows
+            .queue
+            .iter()
+            .all(|(op, ..)| ids.insert(op.operation_id));
+        if twice || (!rows.attempts.is_empty() && !rows.finished.is_empty()) {
+            return write_rows_in_turn(self, rows, at).await;
         }
-        let queue: Vec<&QueueRow<'_>> = queue.iter().collect();
-        let query = bind_queue(bind_events(sqlx::query(&INSERT_INGESTED), events), &queue);
-        bind_outbox(query, outbox).execute(&mut *self.0).await?;
+        let (done, queue): (Vec<&QueueRow<'_>>, Vec<&QueueRow<'_>>) = rows
+            .queue
+            .iter()
+            .partition(|(_, state, _)| *state == QueueState::Done);
+        let done: Vec<Uuid> = column(&done, |(op, ..)| op.operation_id);
+        let present = [
+            (Part::Attempts, !rows.attempts.is_empty()),
+            (Part::Events, !rows.events.is_empty()),
+            (Part::Done, !done.is_empty()),
+            (Part::Queue, !queue.is_empty()),
+            (Part::Outbox, !rows.outbox.is_empty()),
+            (Part::Operations, !rows.operations.is_empty()),
+            (Part::Finished, !rows.finished.is_empty()),
+        ];
+        let parts = present
+            .iter()
+            .filter(|(_, any)| *any)
+            .fold(0, |set, (part, _)| set | part.bit());
+        if parts == 0 {
+            return Ok(());
+        }
+        // Bound in the order of PARTS, as `rows_sql` numbers them.
+        let mut query = sqlx::query(rows_sql(parts));
+        for (part, _) in present.iter().filter(|(_, any)| *any) {
+            query = match part {
+                Part::Attempts => bind_attempts(query, rows.attempts),
+                Part::Events => bind_events(query, rows.events),
+                Part::Done => query.bind(&done),
+                Part::Queue => bind_queue(query, &queue),
+                Part::Outbox => bind_outbox(query, rows.outbox),
+                Part::Operations => bind_operations(query, rows.operations),
+                Part::Finished => bind_finished(query, rows.finished, at),
+            };
+        }
+        query.execute(&mut *self.0).await?;
         Ok(())
     }
 
@@ -1829,6 +1960,40 @@ mod tests {
         read.sort_unstable();
         assert_eq!(written, read);
         assert!(INSERT_OPERATIONS.contains(&format!("${}::timestamptz[]", read.len())));
+    }
+
+    /// Every set of row kinds [`PgTx::write_rows`] can write at once is one statement the
+    /// server accepts, with as many parameters as its parts bind, in their order.
+    #[cfg(feature = "integration")]
+    #[tokio::test]
+    async fn every_set_of_row_kinds_is_one_statement_with_its_parts_parameters() -> Result<()> {
+        use sqlx::{Executor as _, Statement as _};
+
+        let (ledger, _schema) = fresh_ledger().await?;
+        let mut tx = ledger.begin().await?;
+        for parts in 1..1usize << PARTS.len() {
+            let statement = tx.0.prepare(rows_sql(parts)).await?;
+            let bound: usize = PARTS
+                .iter()
+                .filter(|part| parts & part.bit() != 0)
+                .map(|part| part.params())
+                .sum();
+            let types = match statement.parameters() {
+                Some(sqlx::Either::Left(types)) => types.len(),
+                Some(sqlx::Either::Right(n)) => n,
+                None => 0,
+            };
+            assert_eq!(types, bound, "parts {parts:#09b}: {}", rows_sql(parts));
+        }
+        // The parts are items of one statement, but the last, in the order of PARTS.
+        let all = rows_sql((1 << PARTS.len()) - 1);
+        assert!(all.starts_with("WITH w0 AS (INSERT INTO attempts"));
+        assert!(all.contains("w5 AS (UPDATE operation_state"));
+        assert!(
+            all.ends_with("WHERE a.attempt_id = v.attempt_id AND a.operation_id = v.operation_id")
+        );
+        tx.0.rollback().await?;
+        Ok(())
     }
 
     /// An operation with a distinct value in every column reads back as the batched

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::Adapters;
-use crate::claim_loop::{Loop, handle_all};
+use crate::claim_loop::{Loop, Next, Round, handle_all};
 use crate::recorder::Recorder;
 
 /// Dispatcher settings.
@@ -124,6 +124,31 @@ pub fn claim_limit(limit: usize, tool_room: &BTreeMap<String, usize>) -> usize {
         .values()
         .fold(0usize, |sum, free| sum.saturating_add(*free));
     limit.min(room)
+}
+
+/// What a claim that asked for `limit` ([`claim_limit`] of the loop's `asked`) and got
+/// `claimed` of each tool says about the next claim ([`Next`]): claim again at once when it
+/// got all it asked for and room did not cut the asking; wait for room when room bounded
+/// it (the tools' room cut the limit, or it filled a tool's room: that tool may have more
+/// waiting); else it took everything claimable, and only a change in the ledger (a new
+/// operation, a settled one freeing its entity) can make more.
+pub fn next_claim(
+    asked: usize,
+    limit: usize,
+    tool_room: &BTreeMap<String, usize>,
+    claimed: &BTreeMap<&str, usize>,
+) -> Next {
+    let total: usize = claimed.values().sum();
+    let tool_filled = tool_room
+        .iter()
+        .any(|(tool, room)| claimed.get(tool.as_str()).copied().unwrap_or(0) >= *room);
+    if limit > 0 && total >= limit && limit == asked {
+        Next::Now
+    } else if total >= limit || tool_filled {
+        Next::Room
+    } else {
+        Next::Change
+    }
 }
 
 /// How many waves of `per_tool` calls may wait behind the calls in flight, leased, and
@@ -393,7 +418,7 @@ impl Dispatcher {
     /// Claims up to `limit` operations, of each tool at most its free permits plus its
     /// free places ahead ([`claim_ahead`]), and takes the free permits with the claims
     /// (the others wait in [`Self::dispatch`]).
-    async fn claim(&self, limit: usize) -> opgate_store::Result<Vec<Leased>> {
+    async fn claim(&self, asked: usize) -> opgate_store::Result<Round<Leased>> {
         let c = &self.inner.config;
         let claim_time = self.inner.claim_time.get();
         let tool_room: BTreeMap<String, usize> = self
@@ -402,11 +427,14 @@ impl Dispatcher {
             .iter()
             .map(|(tool, slots)| (tool.clone(), slots.room(c, claim_time)))
             .collect();
-        let limit = claim_limit(limit, &tool_room);
+        let limit = claim_limit(asked, &tool_room);
         if limit == 0 {
-            return Ok(Vec::new());
+            return Ok(Round {
+                claims: Vec::new(),
+                next: Next::Room,
+            });
         }
-        let asked = Instant::now();
+        let started = Instant::now();
         let claims = self
             .inner
             .ledger
@@ -414,21 +442,27 @@ impl Dispatcher {
                 owner: c.owner.clone(),
                 lease: c.lease,
                 limit,
-                tool_room,
+                tool_room: tool_room.clone(),
             })
             .await?;
         if !claims.is_empty() {
             // Only claims that found work: an empty one is a short read, not the round
             // trip the calls in flight must outlast.
-            self.inner.claim_time.add(asked.elapsed());
+            self.inner.claim_time.add(started.elapsed());
         }
+        let mut claimed: BTreeMap<&str, usize> = BTreeMap::new();
+        for claim in &claims {
+            *claimed.entry(claim.operation.tool.as_str()).or_default() += 1;
+        }
+        let next = next_claim(asked, limit, &tool_room, &claimed);
         tracing::debug!(
             limit,
             claimed = claims.len(),
-            ms = asked.elapsed().as_secs_f64() * 1000.0,
+            ?next,
+            ms = started.elapsed().as_secs_f64() * 1000.0,
             "claimed"
         );
-        Ok(claims
+        let claims = claims
             .into_iter()
             .map(|claim| {
                 let slots = self.inner.per_tool.get(&claim.operation.tool);
@@ -439,18 +473,19 @@ impl Dispatcher {
                 };
                 Leased {
                     claim,
-                    deadline: asked + c.lease,
-                    asked,
+                    deadline: started + c.lease,
+                    asked: started,
                     tool_permit,
                     waiting,
                 }
             })
-            .collect())
+            .collect();
+        Ok(Round { claims, next })
     }
 
     /// One round without the loop (tests): claim up to `limit`, dispatch them all, wait.
     pub async fn run_once(&self, limit: usize) -> opgate_store::Result<usize> {
-        let claims = self.claim(limit).await?;
+        let claims = self.claim(limit).await?.claims;
         Ok(handle_all(claims, |leased| {
             let this = self.clone();
             async move { this.dispatch(leased).await }
@@ -747,6 +782,48 @@ mod tests {
             claim_limit(64, &room(&[("a", usize::MAX), ("b", usize::MAX)])),
             64
         );
+    }
+
+    #[test]
+    fn a_claim_that_took_less_than_it_had_room_for_waits_for_a_change_not_for_room() {
+        let room = |rooms: &[(&str, usize)]| -> BTreeMap<String, usize> {
+            rooms.iter().map(|(t, r)| ((*t).to_owned(), *r)).collect()
+        };
+        let got = |claims: &[(&'static str, usize)]| -> BTreeMap<&'static str, usize> {
+            claims.iter().copied().collect()
+        };
+        let tools = room(&[("pay", 40), ("mail", 40)]);
+        // All it asked for, room to spare: more may be queued.
+        assert_eq!(
+            next_claim(64, 64, &tools, &got(&[("pay", 34), ("mail", 30)])),
+            Next::Now
+        );
+        // Less than asked, no tool filled: everything claimable was claimed.
+        assert_eq!(
+            next_claim(64, 64, &tools, &got(&[("pay", 3)])),
+            Next::Change
+        );
+        assert_eq!(next_claim(64, 64, &tools, &got(&[])), Next::Change);
+        // Less than asked, but one tool's room filled: that tool may have more waiting.
+        assert_eq!(next_claim(64, 64, &tools, &got(&[("pay", 40)])), Next::Room);
+        // A tool with no room at all: its operations wait for room.
+        let one_full = room(&[("pay", 0), ("mail", 40)]);
+        assert_eq!(
+            next_claim(64, 40, &one_full, &got(&[("mail", 2)])),
+            Next::Room
+        );
+        // The tools' room cut the asking and the claim got it all: wait for room.
+        let small = room(&[("pay", 10)]);
+        assert_eq!(next_claim(64, 10, &small, &got(&[("pay", 10)])), Next::Room);
+        // Every tool full: nothing was asked.
+        assert_eq!(
+            next_claim(64, 0, &room(&[("pay", 0)]), &got(&[])),
+            Next::Room
+        );
+        // No tools listed: the limit alone.
+        let none = BTreeMap::new();
+        assert_eq!(next_claim(8, 8, &none, &got(&[("x", 8)])), Next::Now);
+        assert_eq!(next_claim(8, 8, &none, &got(&[("x", 7)])), Next::Change);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::claim_loop::{Loop, handle_all};
+use crate::claim_loop::{Loop, Next, Round, handle_all};
 use crate::{Adapters, between};
 use opgate_core::policy::{self, Seen};
 
@@ -101,7 +101,17 @@ impl Reconciler {
                 cancel,
                 |room| {
                     let this = self.clone();
-                    async move { this.claim(room).await }
+                    async move {
+                        let claims = this.claim(room).await?;
+                        // Its work comes due by the clock: it claims again at once after
+                        // work, else polls.
+                        let next = if claims.is_empty() {
+                            Next::Room
+                        } else {
+                            Next::Now
+                        };
+                        Ok(Round { claims, next })
+                    }
                 },
                 |claim| {
                     let this = self.clone();

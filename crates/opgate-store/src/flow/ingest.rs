@@ -4,8 +4,8 @@
 use super::*;
 
 /// Ingests a batch (see [`crate::Ledger::ingest`]) with a fixed number of statements per
-/// batch on the hot path: inbox rows, new operations, history, queue, results and inbox
-/// decisions are each written in one statement. Duplicates (a minority) are resolved row
+/// batch on the hot path: inbox rows, new operations, the planned rows ([`Tx::write_rows`]:
+/// history, queue, results, operations hit by duplicates) and inbox decisions. Duplicates (a minority) are resolved row
 /// by row against the operations they hit.
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
@@ -230,11 +230,20 @@ pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Ve
         .iter()
         .map(|&c| (&candidates[c], QueueState::of(candidates[c].status), now))
         .collect();
-    tx.insert_ingested(&created_events, &queue_rows, &outbox)
-        .await?;
-    // The operations hit by duplicates (each locked above) in one statement.
+    // The operations hit by duplicates (each locked above) are updated with the rest.
     let hit_ops: Vec<Operation> = hit.values().cloned().collect();
-    tx.update_operations_batch(&hit_ops).await?;
+    tx.write_rows(
+        &Rows {
+            attempts: &[],
+            events: &created_events,
+            queue: &queue_rows,
+            outbox: &outbox,
+            operations: &hit_ops,
+            finished: &[],
+        },
+        now,
+    )
+    .await?;
     // A dedupe outcome reports the operation as it stands after the whole batch.
     for outcome in &mut outcomes {
         if let Some(op) = &mut outcome.operation

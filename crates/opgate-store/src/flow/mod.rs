@@ -47,7 +47,9 @@ use guards::*;
 pub(crate) use guards::{GUARD_IGNORES, GuardProbe};
 pub(crate) use ingest::ingest;
 pub(crate) use reconcile::claim_reconcile;
-pub(crate) use tx::{InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Rows, Tx};
+pub(crate) use tx::{
+    InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Rows, Tx, write_rows_in_turn,
+};
 
 pub(super) fn add(at: OffsetDateTime, d: Duration) -> OffsetDateTime {
     at + time::Duration::try_from(d).unwrap_or(time::Duration::MAX)

@@ -61,11 +61,11 @@ pub(crate) struct NewInbox<'a> {
     pub operation_id: Option<Uuid>,
 }
 
-/// Every row a claim or a record transaction writes once its transitions are planned in
-/// memory; [`Tx::write_rows`] writes them, one batched statement per kind of row.
-/// (Measured on PostgreSQL: one statement for all of them, data-modifying `WITH` parts
-/// over `unnest` arrays, saved five round trips but cost more server CPU per operation
-/// than the six statements, at full speed and again at 1,000 records/s: BENCHMARKS.md.)
+/// Every row a claim, a record or an ingest transaction writes once its transitions are
+/// planned in memory; [`Tx::write_rows`] writes them. PostgreSQL writes them in one
+/// statement of the kinds there are (measured: fewer statements and less CPU per operation
+/// than one statement per kind; an earlier one statement that ran all seven kinds, empty
+/// or not, cost more than it saved: BENCHMARKS.md).
 pub(crate) struct Rows<'a> {
     /// New attempt rows (a claim), written before the tool is called.
     pub attempts: &'a [NewAttempt<'a>],
@@ -317,22 +317,6 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
-    /// What an ingest writes after its operations: the history entries and queue rows of
-    /// those it created, and the batch's result rows (created, deduplicated, refused), in
-    /// order. PostgreSQL writes the three in one statement when none is empty and no queue
-    /// row is `Done`.
-    fn insert_ingested(
-        &mut self,
-        events: &[NewEvent<'_>],
-        queue: &[(&Operation, QueueState, OffsetDateTime)],
-        outbox: &[NewOutbox],
-    ) -> impl Future<Output = Result<()>> + Send {
-        async move {
-            self.insert_events_batch(events).await?;
-            self.put_queue_rows(queue).await?;
-            self.insert_outbox_batch(outbox).await
-        }
-    }
     /// Inserts or updates queue rows, each with its own ready time (deletes `Done` ones).
     fn put_queue_rows(
         &mut self,
@@ -370,21 +354,14 @@ pub(crate) trait Tx: Send {
             Ok(())
         }
     }
-    /// Writes every row of a planned claim or record, at `at`.
+    /// Writes every row of a planned claim, record or ingest (attempts that ended, at
+    /// `at`): by default one batched statement per kind of row ([`write_rows_in_turn`]).
     fn write_rows(
         &mut self,
         rows: &Rows<'_>,
         at: OffsetDateTime,
     ) -> impl Future<Output = Result<()>> + Send {
-        async move {
-            self.insert_attempts_batch(rows.attempts).await?;
-            self.insert_events_batch(rows.events).await?;
-            self.put_queue_rows(rows.queue).await?;
-            self.insert_outbox_batch(rows.outbox).await?;
-            self.update_operations_batch(rows.operations).await?;
-            self.finish_attempts_batch(rows.finished, at).await?;
-            Ok(())
-        }
+        write_rows_in_turn(self, rows, at)
     }
     /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones and
     /// those of `skip_tools`; returns each with its tool.
@@ -406,4 +383,19 @@ pub(crate) trait Tx: Send {
         now: OffsetDateTime,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+}
+
+/// [`Tx::write_rows`] one batched statement per kind of row, each after the one before.
+pub(crate) async fn write_rows_in_turn<T: Tx + ?Sized>(
+    tx: &mut T,
+    rows: &Rows<'_>,
+    at: OffsetDateTime,
+) -> Result<()> {
+    tx.insert_attempts_batch(rows.attempts).await?;
+    tx.insert_events_batch(rows.events).await?;
+    tx.put_queue_rows(rows.queue).await?;
+    tx.insert_outbox_batch(rows.outbox).await?;
+    tx.update_operations_batch(rows.operations).await?;
+    tx.finish_attempts_batch(rows.finished, at).await?;
+    Ok(())
 }
