@@ -53,8 +53,13 @@ impl PgLedger {
             .map_err(|_| Error::Database(sqlx::Error::PoolTimedOut))??,
         )
         .await?;
+        // Four connections are kept open (the hot path runs about four transactions at
+        // once: an ingest group, a claim, a record, a relay turn), so the first ones
+        // after a start, or after an idle spell, do not wait on a connect (measured: the
+        // operations dispatched in the first 200 ms of a run were the slowest; BENCHMARKS.md).
         let pool = PgPoolOptions::new()
             .max_connections(16)
+            .min_connections(4)
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(options)
             .await?;
