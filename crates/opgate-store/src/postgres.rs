@@ -55,8 +55,9 @@ impl PgLedger {
         .await?;
         // Four connections are kept open (the hot path runs about four transactions at
         // once: an ingest group, a claim, a record, a relay turn), so the first ones
-        // after a start, or after an idle spell, do not wait on a connect (measured: the
-        // operations dispatched in the first 200 ms of a run were the slowest; BENCHMARKS.md).
+        // after a start, or after an idle spell, do not wait on a connect (the operations
+        // dispatched in a run's first 200 ms were the slowest; with this, fewer were slow
+        // on one machine, within the noise on another: BENCHMARKS.md, 2026-12-05).
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .min_connections(4)
