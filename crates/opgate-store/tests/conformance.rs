@@ -49,6 +49,7 @@ conformance!(
     lease_expiry_is_visible_to_the_reconciler,
     illegal_transition_is_refused,
     result_outbox_covers_every_decision_and_transition,
+    a_refusal_redelivered_is_answered_once,
     reads_never_wait_for_their_entity,
     approval_parks_until_approved,
     workflow_step_key_conflict_is_rejected,
@@ -511,6 +512,33 @@ async fn illegal_transition_is_refused(h: Harness) {
         3,
         "ingested, claimed, succeeded; nothing else"
     );
+}
+
+/// A refused proposal (a poison message: an unknown tool) delivered twice in one batch
+/// and again in a later one beside a new proposal gets one result row: the refusal is
+/// written with its inbox row, and a redelivery only reads that row.
+async fn a_refusal_redelivered_is_answered_once(h: Harness) {
+    let l = h.ledger.as_ref();
+    let refused = || item("r1", "no_such_tool", ("order", "o1"), json!({"x": 1}));
+    let first = l.ingest(&[refused(), refused()]).await.expect("ingest");
+    assert!(!first[0].inbox_hit && first[1].inbox_hit, "{first:?}");
+    let again = l
+        .ingest(&[refused(), pay("e1", "o2", "1")])
+        .await
+        .expect("ingest");
+    assert!(again[0].inbox_hit, "{again:?}");
+    for outcome in first.iter().chain(&again[..1]) {
+        assert!(
+            matches!(&outcome.decision, IngestDecision::Rejected { reason } if reason == "unknown_tool"),
+            "{outcome:?}"
+        );
+    }
+    let rows = l
+        .claim_results(&claim_request("relay", LONG, 100))
+        .await
+        .expect("results");
+    let statuses: Vec<&str> = rows.iter().map(|r| r.status.as_str()).collect();
+    assert_eq!(statuses, ["rejected", "pending_dispatch"], "{rows:?}");
 }
 
 async fn result_outbox_covers_every_decision_and_transition(h: Harness) {
