@@ -1847,6 +1847,26 @@ async fn one_batch_decides_each_proposal_as_one_at_a_time_would(h: Harness) {
             "{namespace}: e1 and e3 keep their first decision"
         );
     }
+    // The batch stores as many results for its operations as one by one, and each
+    // operation's results in the order of their sequence numbers, none twice (the relay
+    // publishes in id order).
+    let results = |namespace: &str| {
+        format!(
+            "SELECT COUNT(*) FROM result_outbox r JOIN operations o \
+             ON o.operation_id = r.operation_id WHERE o.namespace = '{namespace}'"
+        )
+    };
+    assert_eq!(
+        h.count(&results("together")).await,
+        h.count(&results("one-by-one")).await
+    );
+    let out_of_order = h
+        .count(
+            "SELECT COUNT(*) FROM result_outbox a JOIN result_outbox b \
+             ON a.operation_id = b.operation_id AND a.id < b.id AND a.seq >= b.seq",
+        )
+        .await;
+    assert_eq!(out_of_order, 0);
 }
 
 /// Two namespaces' `evt-1` are two events (the inbox is keyed by namespace and event id).
