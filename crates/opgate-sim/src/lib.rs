@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -137,6 +137,8 @@ struct Effect {
 struct Inner {
     rng: StdRng,
     started: Instant,
+    /// The wall clock when `started` was read.
+    started_wall: SystemTime,
     records: HashMap<(&'static str, String), Stored>,
     effects: Vec<Effect>,
     faults: Vec<FaultSpec>,
@@ -199,6 +201,7 @@ impl Sim {
             inner: Arc::new(Mutex::new(Inner {
                 rng: StdRng::seed_from_u64(config.seed),
                 started: Instant::now(),
+                started_wall: SystemTime::now(),
                 records: HashMap::new(),
                 effects: Vec::new(),
                 faults: Vec::new(),
@@ -229,6 +232,12 @@ impl Sim {
     /// so a client can stamp what it sends on the same clock.
     pub fn elapsed_ms(&self) -> u64 {
         self.lock().started.elapsed().as_millis() as u64
+    }
+
+    /// The wall-clock time at which [`EffectEntry::at_ms`] is 0: an effect happened at
+    /// this plus its `at_ms` (to the millisecond, rounded down).
+    pub fn started_at(&self) -> SystemTime {
+        self.lock().started_wall
     }
 
     /// The effects so far.

@@ -11,6 +11,7 @@
 //! `/proc/stat`: everything on it, the database included), and can append a row to
 //! BENCHMARKS.md.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -286,9 +287,25 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         None => PgCounters::default(),
     };
 
-    // Latencies from the ledger: consume (created) -> first dispatch, and -> settled.
+    let effects = sim.effects();
+    if effects.duplicates != 0 {
+        bail!("{} duplicate effects at the provider", effects.duplicates);
+    }
+    // When the provider took each key's effect (after its simulated work), on the wall
+    // clock the ledger's timestamps use (one machine).
+    let started = time::OffsetDateTime::from(sim.started_at());
+    let mut effect_at: HashMap<&str, u64> = HashMap::with_capacity(effects.log.len());
+    for e in &effects.log {
+        let at = effect_at.entry(e.key.as_str()).or_insert(e.at_ms);
+        *at = (*at).min(e.at_ms);
+    }
+
+    // Latencies from the ledger: consume (created) -> first dispatch (the claim that
+    // leased it read the clock), and -> settled; and from the provider: consume -> its
+    // effect, which also counts the claim's commit, the call and the provider's work.
     let mut to_dispatch = Vec::with_capacity(keys);
     let mut to_settled = Vec::with_capacity(keys);
+    let mut to_effect = Vec::with_capacity(keys);
     let mut cursor = None;
     loop {
         let page = ledger
@@ -304,15 +321,16 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
                 to_dispatch.push((first - op.created_at).as_seconds_f64() * 1000.0);
             }
             to_settled.push((op.updated_at - op.created_at).as_seconds_f64() * 1000.0);
+            let key = opgate_core::key::scoped_key(&op.namespace, &op.idempotency_key);
+            if let Some(&at_ms) = effect_at.get(key.as_str()) {
+                let at = started + time::Duration::milliseconds(at_ms as i64);
+                to_effect.push((at - op.created_at).as_seconds_f64() * 1000.0);
+            }
         }
         match page.next_cursor {
             Some(next) => cursor = Some(next),
             None => break,
         }
-    }
-    let effects = sim.effects();
-    if effects.duplicates != 0 {
-        bail!("{} duplicate effects at the provider", effects.duplicates);
     }
     drop(broker);
 
@@ -325,6 +343,17 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let (s50, s99) = (
         percentile(&mut to_settled, 0.50),
         percentile(&mut to_settled, 0.99),
+    );
+    if to_effect.len() != to_dispatch.len() {
+        bail!(
+            "{} of {} dispatched operations have an effect at the provider under their key",
+            to_effect.len(),
+            to_dispatch.len()
+        );
+    }
+    let (e50, e99) = (
+        percentile(&mut to_effect, 0.50),
+        percentile(&mut to_effect, 0.99),
     );
     let per_op = |n: i64| n as f64 / keys as f64;
     let processes = opts.processes.unwrap_or(1);
@@ -348,7 +377,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     println!(
         "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
-         consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
+         consume->dispatch p50 {d50:.0} ms p99 {d99:.0} ms; consume->provider effect p50 {e50:.0} ms p99 {e99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
          transactions/op {tx}, statements/op {statements}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
         records.len(),
         opts.partitions,
@@ -357,7 +386,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {s50:.0} / {s99:.0} | {tx} | {statements} | {rows} | {cpu} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {e50:.0} / {e99:.0} | {s50:.0} / {s99:.0} | {tx} | {statements} | {rows} | {cpu} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),

@@ -1,0 +1,54 @@
+//! `opgate bench e2e` as a real process on the embedded default (SQLite, librdkafka's mock
+//! cluster, the simulated provider): every operation reaches its final result on
+//! `opgate.results`, the provider takes each one's effect once, and the figures it prints
+//! and appends include how long the provider waited for each effect (matched to every
+//! dispatched operation by its key, or the command fails).
+
+#![allow(missing_docs)]
+
+use std::process::Command;
+
+#[test]
+fn bench_e2e_on_the_embedded_default_prints_and_appends_its_figures() {
+    let dir = std::env::temp_dir().join(format!("opgate-bench-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let table = dir.join("rows.md");
+    let out = Command::new(env!("CARGO_BIN_EXE_opgate"))
+        .args(["bench", "e2e", "--operations", "40", "--write"])
+        .arg(&table)
+        .output()
+        .expect("run opgate bench e2e");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let summary = stdout
+        .lines()
+        .find(|l| l.starts_with("e2e: "))
+        .unwrap_or_else(|| panic!("no summary line in:\n{stdout}"));
+    // 40 operations asked for: 57 records, 39 distinct keys.
+    assert!(summary.starts_with("e2e: 39 operations"), "{summary}");
+    assert!(
+        summary.contains("consume->provider effect p50"),
+        "{summary}"
+    );
+    assert!(summary.contains("39 effects, 0 duplicates"), "{summary}");
+    let rows = std::fs::read_to_string(&table).expect("the appended row");
+    let row = rows.lines().last().expect("a row");
+    // The row's cells: date, operations, records, ledger, processes, settings, time,
+    // ops/s, to first result, ops/s after it, consume->dispatch, consume->effect,
+    // consume->settled, transactions, statements, row writes, CPU.
+    let cells: Vec<&str> = row.trim_matches('|').split(" | ").map(str::trim).collect();
+    assert_eq!(cells.len(), 17, "{row}");
+    assert_eq!(cells[1], "39", "{row}");
+    assert_eq!(cells[3], "SQLite", "{row}");
+    for latency in &cells[10..13] {
+        let (p50, p99) = latency.split_once(" / ").expect("p50 / p99");
+        let (p50, p99): (f64, f64) = (p50.parse().expect("p50"), p99.parse().expect("p99"));
+        assert!(p50 >= 0.0 && p50 <= p99, "{row}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
