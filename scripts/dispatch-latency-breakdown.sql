@@ -17,11 +17,12 @@ WITH e AS (
       WHERE ev.operation_id = o.operation_id AND ev.reason = 'claimed' ORDER BY ev.at LIMIT 1) AS claim_commit
   FROM operations o WHERE o.namespace = 'bench'),
 claims AS (SELECT DISTINCT claim_clock, claim_commit FROM e),
+-- The claim that committed last before this operation's claim read its clock.
 w AS (
-  SELECT e.*,
-    (SELECT max(c.claim_commit) FROM claims c WHERE c.claim_commit < e.claim_clock) AS prev_commit,
-    (SELECT max(c.claim_clock) FROM claims c WHERE c.claim_commit < e.claim_clock) AS prev_clock
-  FROM e)
+  SELECT e.*, prev.claim_clock AS prev_clock, prev.claim_commit AS prev_commit
+  FROM e LEFT JOIN LATERAL (
+    SELECT c.claim_clock, c.claim_commit FROM claims c
+    WHERE c.claim_commit < e.claim_clock ORDER BY c.claim_commit DESC LIMIT 1) AS prev ON true)
 SELECT
   count(*) AS ops,
   (SELECT count(*) FROM claims) AS claim_txns,
