@@ -50,6 +50,7 @@ pub struct IngestBench {
 
 /// Runs the ingest benchmark and prints (and optionally records) the figures.
 pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
+    let (records, events, keys) = workload(opts.proposals, 42, 10)?;
     let mut specs = builtin_specs()?;
     for spec in &mut specs {
         if spec.name == PROPOSALS {
@@ -62,7 +63,6 @@ pub async fn ingest(opts: IngestBench) -> anyhow::Result<()> {
 
     let (_url, backend, ledger) = empty_ledger(opts.database_url.as_deref(), "ingest").await?;
 
-    let (records, events, keys) = workload(opts.proposals, 42, 10);
     opgate_fleet::client::publish(&config, &records).await?;
 
     let registry = Arc::new(Registry::from_toml(TOOLS)?);
@@ -169,15 +169,19 @@ pub(crate) async fn empty_ledger(
 }
 
 /// (records as (key, value)), distinct events, distinct keys; `per_entity` operations
-/// share each order (their dispatches are serialized).
+/// share each order (their dispatches are serialized). Too few records to make one key
+/// (fewer than 3) is an error.
 pub(crate) fn workload(
     n: usize,
     seed: u64,
     per_entity: usize,
-) -> (Vec<(String, Vec<u8>)>, usize, usize) {
+) -> anyhow::Result<(Vec<(String, Vec<u8>)>, usize, usize)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let events = n * 8 / 10;
     let keys = events * 7 / 8;
+    if keys == 0 {
+        bail!("{n} records make no distinct operation: the workload needs at least 3");
+    }
     let entities = (keys / per_entity.max(1)).max(1);
     let make = |event: String, k: usize, spelled: bool| {
         let order = format!("o{}", k % entities);
@@ -198,7 +202,7 @@ pub(crate) fn workload(
         let pick = records[rng.random_range(0..events)].clone();
         records.push(pick);
     }
-    (records, events, keys)
+    Ok((records, events, keys))
 }
 
 pub(crate) fn today() -> String {

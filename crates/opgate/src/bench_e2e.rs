@@ -161,7 +161,7 @@ async fn pg_history(url: &str) -> anyhow::Result<Option<i64>> {
 /// Runs the end-to-end benchmark.
 pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let records_n = opts.operations * 10 / 7;
-    let (records, _events, keys) = workload(records_n, 42, opts.ops_per_entity);
+    let (records, _events, keys) = workload(records_n, 42, opts.ops_per_entity)?;
 
     let sim = opgate_sim::Sim::new(opgate_sim::SimConfig::default());
     let (sim_addr, _sim_server) = opgate_sim::start("127.0.0.1:0".parse()?, sim.clone()).await?;

@@ -52,3 +52,26 @@ fn bench_e2e_on_the_embedded_default_prints_and_appends_its_figures() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Too few records for one operation is a clear error before anything starts, not a
+/// panic (it was: sampling an empty range) nor a row of zeros.
+#[test]
+fn a_workload_too_small_for_one_operation_is_refused() {
+    for args in [
+        ["bench", "e2e", "--operations", "0"],
+        ["bench", "e2e", "--operations", "1"],
+        ["bench", "ingest", "--proposals", "2"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_opgate"))
+            .args(args)
+            .output()
+            .expect("run opgate bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("make no distinct operation: the workload needs at least 3"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
