@@ -168,6 +168,9 @@ pub(crate) async fn empty_ledger(
     Ok((url, backend, ledger))
 }
 
+/// A benchmark's records, each (Kafka key, value).
+pub(crate) type Records = Vec<(String, Vec<u8>)>;
+
 /// (records as (key, value)), distinct events, distinct keys; `per_entity` operations
 /// share each order (their dispatches are serialized). Too few records to make one key
 /// (fewer than 3) is an error.
@@ -175,7 +178,7 @@ pub(crate) fn workload(
     n: usize,
     seed: u64,
     per_entity: usize,
-) -> anyhow::Result<(Vec<(String, Vec<u8>)>, usize, usize)> {
+) -> anyhow::Result<(Records, usize, usize)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let events = n * 8 / 10;
     let keys = events * 7 / 8;
