@@ -1237,6 +1237,7 @@ mod tests {
             provider: "payments".into(),
             key: key.into(),
             entity: None,
+            received_ms: at_ms,
             at_ms,
         }
     }

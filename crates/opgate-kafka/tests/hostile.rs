@@ -329,6 +329,18 @@ impl Ledger for Refusing {
         }
         self.ingest_counted(batch).await
     }
+    async fn ingest_and_claim(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: Duration,
+        r: &opgate_store::ClaimRequest,
+    ) -> opgate_store::Result<(Vec<IngestOutcome>, Vec<opgate_store::Claim>)> {
+        // These tests run no dispatcher beside the ingest: nothing offers a claim.
+        let _ = (batch, lock_wait, r);
+        Err(opgate_store::Error::Corrupt(
+            "no dispatcher runs beside this ingest".into(),
+        ))
+    }
     async fn claim(
         &self,
         r: &opgate_store::ClaimRequest,
@@ -407,6 +419,9 @@ impl Ledger for Refusing {
     }
     fn changes(&self) -> opgate_store::Changes {
         self.inner.changes()
+    }
+    fn claimable_changes(&self) -> opgate_store::Changes {
+        self.inner.claimable_changes()
     }
 }
 

@@ -130,6 +130,8 @@ struct Effect {
     provider: &'static str,
     key: String,
     entity: Option<String>,
+    /// When the request that made it arrived.
+    received_ms: u128,
     at_ms: u128,
 }
 
@@ -189,7 +191,10 @@ pub struct EffectEntry {
     pub key: String,
     /// Entity header, when sent.
     pub entity: Option<String>,
-    /// Milliseconds since the sim started.
+    /// When the request that made it arrived, in milliseconds since the sim started
+    /// (before the provider's `work`).
+    pub received_ms: u64,
+    /// When it happened, in milliseconds since the sim started.
     pub at_ms: u64,
 }
 
@@ -266,6 +271,7 @@ impl Sim {
                     provider: e.provider.to_owned(),
                     key: e.key.clone(),
                     entity: e.entity.clone(),
+                    received_ms: e.received_ms as u64,
                     at_ms: e.at_ms as u64,
                 })
                 .collect(),
@@ -322,6 +328,7 @@ impl Sim {
         entity: Option<String>,
         body: &Value,
         slow: bool,
+        received_ms: u128,
     ) -> Value {
         let mut inner = self.lock();
         let dedupes = provider != "emails";
@@ -360,6 +367,7 @@ impl Sim {
             provider,
             key: key.to_owned(),
             entity,
+            received_ms,
             at_ms,
         });
         stored
@@ -487,6 +495,7 @@ async fn handle(
         .get("x-opgate-entity")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    let received_ms = sim.lock().started.elapsed().as_millis();
     let _in_flight = InFlight::enter(&sim, entity.clone());
     tokio::time::sleep(sim.config.work).await;
     let (fault, slow) = sim.faults_for(provider, &key);
@@ -515,7 +524,7 @@ async fn handle(
         }
         _ => {}
     }
-    let stored = sim.commit(provider, &key, entity, &body, slow);
+    let stored = sim.commit(provider, &key, entity, &body, slow, received_ms);
     match fault {
         Some(FaultKind::TimeoutAfterCommit) => {
             tokio::time::sleep(sim.config.hang).await;

@@ -3,6 +3,8 @@
 //! Every hot path is one transaction per batch:
 //! - [`Ledger::ingest`] writes, per proposal, an inbox row, the operation (or finds the
 //!   existing one by key), a dispatch-queue row and a result-outbox row;
+//! - [`Ledger::ingest_and_claim`] does both in one transaction for a dispatcher in the
+//!   same process ([`handoff`]: claim at ingest);
 //! - [`Ledger::claim`] leases head-of-line operations (one write in flight per entity,
 //!   enforced by a unique partial index), bumps the fencing epoch and persists
 //!   `dispatched` plus an attempt row before the caller touches the tool;
@@ -24,6 +26,7 @@
 mod common;
 mod error;
 mod flow;
+pub mod handoff;
 pub mod postgres;
 mod schema;
 mod signal;
@@ -33,6 +36,7 @@ mod types;
 use std::sync::Arc;
 
 pub use error::{Error, Result};
+pub use handoff::{Handoff, Offer};
 pub use postgres::PgLedger;
 pub use schema::SchemaStatus;
 pub use signal::Changes;
@@ -65,6 +69,19 @@ pub trait Ledger: Send + Sync + 'static {
         let _ = lock_wait;
         self.ingest(batch).await
     }
+
+    /// As [`Self::ingest_waiting_at_most`], and in the same transaction a claim, as
+    /// [`Self::claim`] makes one within `request`'s limit and room, of the operations the
+    /// batch created that are ready and head of line on their entity: for a dispatcher in
+    /// the same process, which then sends them without a claim of its own. Their lease
+    /// runs from the ingest's clock read. Returns the outcomes (a claimed operation's as
+    /// claimed) and the claims; the batch's other operations wait for a dispatcher's claim.
+    async fn ingest_and_claim(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: std::time::Duration,
+        request: &ClaimRequest,
+    ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)>;
 
     /// Leases ready, head-of-line operations and persists `dispatched` and an attempt
     /// for each, before the caller sends anything.
@@ -165,6 +182,12 @@ pub trait Ledger: Send + Sync + 'static {
     /// command, compensation) has committed, in this process or, on PostgreSQL, in any
     /// process on the same database. Call it inside a Tokio runtime.
     fn changes(&self) -> Changes;
+
+    /// As [`Self::changes`], for a dispatcher: this process's commits wake it only when
+    /// they may have left an operation claimable now (an ingest that claimed everything
+    /// it created does not; a recording that freed an entity others wait for does).
+    /// Another process's commit always wakes it.
+    fn claimable_changes(&self) -> Changes;
 }
 
 /// A shared ledger handle.

@@ -114,17 +114,20 @@ macro_rules! in_tx {
 /// it sends a `NOTIFY` (other processes' listeners receive it on commit), and this
 /// process's workers are woken once it committed.
 macro_rules! write_tx {
-    ($self:ident, |$tx:ident| $body:expr) => {{
-        let out = in_tx!($self, |$tx| {
+    ($self:ident, |$tx:ident| $body:expr) => {
+        write_tx!($self, Error::is_transient, |$tx| $body)
+    };
+    ($self:ident, $retry_when:expr, |$tx:ident| $body:expr) => {{
+        let out = in_tx!($self, $retry_when, |$tx| {
             $tx.1.notify = Some($self.changes.clone());
             let out = $body;
             $tx.announce().await?;
-            out
+            (out, !$tx.1.nothing_claimable)
         });
-        if out.is_ok() {
-            $self.changes.signal.fire();
-        }
-        out
+        out.map(|(out, claimable)| {
+            $self.changes.signal.commit(claimable);
+            out
+        })
     }};
 }
 
@@ -142,6 +145,8 @@ struct Prelude {
     planner: Planner,
     /// The longest a statement of the transaction may wait for a lock (`lock_timeout`).
     lock_wait: Option<Duration>,
+    /// Its commit need not wake this process's dispatcher ([`Tx::leaves_nothing_claimable`]).
+    nothing_claimable: bool,
 }
 
 /// Planner settings a hot-path transaction runs with (`set_config(..., true)`, as `SET
@@ -972,6 +977,10 @@ const HEAD_OF_LINE: &str = "(q.is_read OR NOT EXISTS ( \
       AND (p.state <> 'waiting' OR (p.seq < q.seq AND q.compensates IS NULL))))";
 
 impl Tx for PgTx {
+    fn leaves_nothing_claimable(&mut self) {
+        self.1.nothing_claimable = true;
+    }
+
     async fn now(&mut self) -> Result<OffsetDateTime> {
         // clock_timestamp(), not now(): now() is the transaction's start, and time spent
         // waiting on locks must not shorten a lease.
@@ -1417,22 +1426,42 @@ impl Tx for PgTx {
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
+        among: Option<&[Uuid]>,
     ) -> Result<Vec<(Uuid, String)>> {
         // Runs with sorting (and sequential scans) off: `Ledger::claim` sets
         // `Planner::Claim`, applied with the transaction's clock read, which the claim
-        // flow takes before this.
-        let found = sqlx::query_as(&format!(
+        // flow takes before this. Among an ingest's new operations, the primary key finds
+        // the few rows (and the ingest's planner sorts them).
+        let among_sql = if among.is_some() {
+            "AND q.operation_id = ANY($4)"
+        } else {
+            ""
+        };
+        let sql = format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
-             WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
+             WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) {among_sql} \
                AND {HEAD_OF_LINE} \
              ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED"
-        ))
-        .bind(now)
-        .bind(limit as i64)
-        .bind(skip_tools)
-        .fetch_all(&mut *self.0)
-        .await?;
-        Ok(found)
+        );
+        let mut query = sqlx::query_as(&sql)
+            .bind(now)
+            .bind(limit as i64)
+            .bind(skip_tools);
+        if let Some(ids) = among {
+            query = query.bind(ids);
+        }
+        Ok(query.fetch_all(&mut *self.0).await?)
+    }
+
+    async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {
+        // The per-entity index (`dispatch_queue_entity`) holds exactly the rows asked for.
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM dispatch_queue \
+             WHERE entity_key = ANY($1) AND state = 'waiting' AND NOT is_read)",
+        )
+        .bind(entity_keys)
+        .fetch_one(&mut *self.0)
+        .await?)
     }
 
     async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
@@ -1525,6 +1554,22 @@ impl Ledger for PgLedger {
             tx.1.planner = Planner::Keyed;
             tx.1.lock_wait = Some(lock_wait);
             flow::ingest(&mut tx, batch).await?
+        })
+    }
+
+    async fn ingest_and_claim(
+        &self,
+        batch: &[IngestItem],
+        lock_wait: Duration,
+        request: &ClaimRequest,
+    ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
+        // A claim racing another transaction's for the same entity (the unique index on
+        // writes in flight) is retried as a claim's is: the retry sees the other's write
+        // and leaves this operation waiting.
+        write_tx!(self, Error::is_claim_race, |tx| {
+            tx.1.planner = Planner::Keyed;
+            tx.1.lock_wait = Some(lock_wait);
+            flow::ingest_and_claim(&mut tx, batch, request).await?
         })
     }
 
@@ -1864,6 +1909,11 @@ impl Ledger for PgLedger {
     fn changes(&self) -> Changes {
         self.changes.listen(&self.pool);
         self.changes.signal.subscribe()
+    }
+
+    fn claimable_changes(&self) -> Changes {
+        self.changes.listen(&self.pool);
+        self.changes.signal.subscribe_claimable()
     }
 }
 

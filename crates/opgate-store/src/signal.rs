@@ -13,22 +13,46 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-/// The signal source a ledger fires after its write transactions commit.
+/// The signal source a ledger fires after its write transactions commit: every commit
+/// wakes [`Changes`] from [`Signal::subscribe`] (the relay: most commits leave results to
+/// publish); only a commit that may have left an operation claimable wakes those from
+/// [`Signal::subscribe_claimable`] (the dispatcher: a commit that made nothing claimable,
+/// such as an ingest that claimed all it created, is not worth a claim).
 #[derive(Debug, Clone)]
-pub(crate) struct Signal(Arc<watch::Sender<()>>);
+pub(crate) struct Signal {
+    any: Arc<watch::Sender<()>>,
+    claimable: Arc<watch::Sender<()>>,
+}
 
 impl Signal {
     pub(crate) fn new() -> Self {
-        Self(Arc::new(watch::Sender::new(())))
+        Self {
+            any: Arc::new(watch::Sender::new(())),
+            claimable: Arc::new(watch::Sender::new(())),
+        }
     }
 
-    /// A write transaction committed.
+    /// Something changed that may have made any kind of work (another process's
+    /// commit, a listener that reconnected).
     pub(crate) fn fire(&self) {
-        self.0.send_replace(());
+        self.commit(true);
+    }
+
+    /// A write transaction committed; `claimable`: it may have left an operation
+    /// claimable now.
+    pub(crate) fn commit(&self, claimable: bool) {
+        self.any.send_replace(());
+        if claimable {
+            self.claimable.send_replace(());
+        }
     }
 
     pub(crate) fn subscribe(&self) -> Changes {
-        Changes(Some(self.0.subscribe()))
+        Changes(Some(self.any.subscribe()))
+    }
+
+    pub(crate) fn subscribe_claimable(&self) -> Changes {
+        Changes(Some(self.claimable.subscribe()))
     }
 }
 
@@ -80,6 +104,37 @@ mod tests {
         // Seen now: the next wait sleeps until another change.
         let idle = tokio::time::timeout(Duration::from_millis(50), changes.changed()).await;
         assert!(idle.is_err(), "no change, no wake-up");
+    }
+
+    #[tokio::test]
+    async fn a_commit_that_left_nothing_claimable_wakes_only_the_any_change_view() {
+        let signal = Signal::new();
+        let (mut any, mut claimable) = (signal.subscribe(), signal.subscribe_claimable());
+        any.seen();
+        claimable.seen();
+        signal.commit(false);
+        let short = Duration::from_millis(50);
+        assert!(tokio::time::timeout(short, any.changed()).await.is_ok());
+        assert!(
+            tokio::time::timeout(short, claimable.changed())
+                .await
+                .is_err(),
+            "nothing claimable, no claim"
+        );
+        signal.commit(true);
+        assert!(
+            tokio::time::timeout(short, claimable.changed())
+                .await
+                .is_ok()
+        );
+        // Another process's change may be anything: both wake.
+        signal.fire();
+        assert!(tokio::time::timeout(short, any.changed()).await.is_ok());
+        assert!(
+            tokio::time::timeout(short, claimable.changed())
+                .await
+                .is_ok()
+        );
     }
 
     #[tokio::test]

@@ -77,7 +77,7 @@ impl SqliteLedger {
     }
 
     async fn begin(&self) -> Result<SqliteTx> {
-        Ok(SqliteTx(self.writer.begin().await?))
+        Ok(SqliteTx(self.writer.begin().await?, false))
     }
 }
 
@@ -103,16 +103,24 @@ macro_rules! in_tx {
 /// A write transaction whose commit may have made work for the dispatcher or the relay:
 /// they are woken once it committed.
 macro_rules! write_tx {
-    ($self:ident, |$tx:ident| $body:expr) => {{
-        let out = in_tx!($self, |$tx| $body);
-        if out.is_ok() {
-            $self.signal.fire();
-        }
-        out
+    ($self:ident, |$tx:ident| $body:expr) => {
+        write_tx!($self, Error::is_transient, |$tx| $body)
+    };
+    ($self:ident, $retry_when:expr, |$tx:ident| $body:expr) => {{
+        let out = in_tx!($self, $retry_when, |$tx| {
+            let out = $body;
+            (out, !$tx.1)
+        });
+        out.map(|(out, claimable)| {
+            $self.signal.commit(claimable);
+            out
+        })
     }};
 }
 
-struct SqliteTx(Transaction<'static, Sqlite>);
+/// A transaction, and whether its commit need not wake this process's dispatcher
+/// ([`Tx::leaves_nothing_claimable`]).
+struct SqliteTx(Transaction<'static, Sqlite>, bool);
 
 const OP_COLUMNS: &str = "operation_id, namespace, idempotency_key, key_components, args_fingerprint, \
     event_id, agent_id, workflow_id, run_id, step, tool, intent, entity_type, entity_id, entity_key, \
@@ -236,6 +244,10 @@ fn parse_uuid(s: &str) -> Result<Uuid> {
 }
 
 impl Tx for SqliteTx {
+    fn leaves_nothing_claimable(&mut self) {
+        self.1 = true;
+    }
+
     async fn now(&mut self) -> Result<OffsetDateTime> {
         let now: String = sqlx::query_scalar("SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now')")
             .fetch_one(&mut *self.0)
@@ -561,11 +573,17 @@ impl Tx for SqliteTx {
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
+        among: Option<&[Uuid]>,
     ) -> Result<Vec<(Uuid, String)>> {
-        let rows: Vec<(String, String)> = sqlx::query_as(
+        let among_sql = if among.is_some() {
+            "AND q.operation_id IN (SELECT value FROM json_each($4))"
+        } else {
+            ""
+        };
+        let sql = format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 \
-               AND q.tool NOT IN (SELECT value FROM json_each($3)) \
+               AND q.tool NOT IN (SELECT value FROM json_each($3)) {among_sql} \
                AND (q.is_read = 1 OR NOT EXISTS ( \
                    SELECT 1 FROM dispatch_queue p \
                    WHERE p.entity_key = q.entity_key AND p.is_read = 0 \
@@ -573,16 +591,32 @@ impl Tx for SqliteTx {
                      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
                      AND (p.state IN ('inflight', 'held') \
                           OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) \
-             ORDER BY q.ready_at, q.seq LIMIT $2",
-        )
-        .bind(ts(now))
-        .bind(limit as i64)
-        .bind(serde_json::to_string(skip_tools).unwrap_or_else(|_| "[]".into()))
-        .fetch_all(&mut *self.0)
-        .await?;
+             ORDER BY q.ready_at, q.seq LIMIT $2"
+        );
+        let mut query = sqlx::query_as(&sql)
+            .bind(ts(now))
+            .bind(limit as i64)
+            .bind(serde_json::to_string(skip_tools).unwrap_or_else(|_| "[]".into()));
+        if let Some(ids) = among {
+            let ids: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+            query = query.bind(serde_json::to_string(&ids).unwrap_or_else(|_| "[]".into()));
+        }
+        let rows: Vec<(String, String)> = query.fetch_all(&mut *self.0).await?;
         rows.into_iter()
             .map(|(id, tool)| Ok((parse_uuid(&id)?, tool)))
             .collect()
+    }
+
+    async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM dispatch_queue \
+             WHERE entity_key IN (SELECT value FROM json_each($1)) \
+               AND state = 'waiting' AND is_read = 0)",
+        )
+        .bind(serde_json::to_string(entity_keys).unwrap_or_else(|_| "[]".into()))
+        .fetch_one(&mut *self.0)
+        .await?;
+        Ok(found != 0)
     }
 
     async fn pick_expired(&mut self, now: OffsetDateTime, limit: usize) -> Result<Vec<Uuid>> {
@@ -659,6 +693,19 @@ fn attempt_from_row(row: &SqliteRow) -> Result<Attempt> {
 impl Ledger for SqliteLedger {
     async fn ingest(&self, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
         write_tx!(self, |tx| flow::ingest(&mut tx, batch).await?)
+    }
+
+    async fn ingest_and_claim(
+        &self,
+        batch: &[IngestItem],
+        _lock_wait: Duration,
+        request: &ClaimRequest,
+    ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
+        // One writer at a time: no other transaction's claim can race this one's.
+        write_tx!(self, Error::is_claim_race, |tx| flow::ingest_and_claim(
+            &mut tx, batch, request
+        )
+        .await?)
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claim>> {
@@ -984,5 +1031,9 @@ impl Ledger for SqliteLedger {
     fn changes(&self) -> Changes {
         // One file, one writer: the process that writes is the one that listens.
         self.signal.subscribe()
+    }
+
+    fn claimable_changes(&self) -> Changes {
+        self.signal.subscribe_claimable()
     }
 }

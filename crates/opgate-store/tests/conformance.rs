@@ -82,6 +82,9 @@ conformance!(
     commits_that_make_work_wake_the_workers,
     the_console_reads_activity_results_and_id_ranges,
     each_inbox_row_holds_its_proposals_final_decision,
+    an_ingest_claims_what_it_created_as_a_claim_would,
+    racing_ingest_claims_never_put_two_writes_of_one_entity_in_flight,
+    only_commits_that_leave_work_claimable_wake_the_dispatcher,
 );
 
 async fn ops_count(h: &Harness) -> i64 {
@@ -2466,4 +2469,261 @@ async fn each_inbox_row_holds_its_proposals_final_decision(h: Harness) {
             first.operation.as_ref().map(|o| o.operation_id)
         );
     }
+}
+
+/// Claim at ingest ([`Ledger::ingest_and_claim`]): of the operations a batch creates, it
+/// claims those a claim would (ready, head of line on their entity, within the limit and
+/// each tool's room), with the same rows a claim writes; everything else waits for a
+/// dispatcher's claim, and what already existed is never claimed by an ingest.
+async fn an_ingest_claims_what_it_created_as_a_claim_would(h: Harness) {
+    let l = h.ledger.as_ref();
+    // An operation of entity A in flight already, and one of entity C settled.
+    l.ingest(&[pay("a0", "A", "1")]).await.expect("ingest");
+    let held = claim_one(l, "elsewhere").await;
+    let mut request = claim_request("d1", LONG, 10);
+    request.tool_room = BTreeMap::from([
+        ("pay".to_owned(), 3),
+        ("ticket".to_owned(), 0),
+        ("lookup".to_owned(), 5),
+        ("refund".to_owned(), 5),
+    ]);
+    let batch = vec![
+        pay("a1", "A", "2"), // A is held: waits
+        pay("b1", "B", "1"), // claimed
+        pay("b2", "B", "2"), // behind b1: waits
+        item_with(
+            "t1",
+            "ticket",
+            ("order", "T"),
+            json!({"title": "Refund"}),
+            json!({"workflow_id": "wf-t", "step": 1}),
+        ), // no room for tickets: waits
+        item("r1", "refund", ("order", "R"), json!({"amount": 5})), // parked for approval
+        item("l1", "lookup", ("order", "A"), json!({})), // a read: never waits
+        pay("c1", "C", "1"), // claimed
+        pay("d1", "D", "1"), // claimed (third of pay's room)
+        pay("e1", "E", "1"), // pay's room is used up: waits
+        pay("a0", "A", "1"), // a redelivery: not claimed
+    ];
+    let (outcomes, claims) = l
+        .ingest_and_claim(&batch, Duration::from_secs(5), &request)
+        .await
+        .expect("ingest and claim");
+    assert_eq!(outcomes.len(), batch.len());
+    let claimed: Vec<&str> = claims
+        .iter()
+        .map(|c| c.operation.event_id.as_str())
+        .collect();
+    assert_eq!(claimed, ["b1", "l1", "c1", "d1"], "in queue order");
+    for c in &claims {
+        let op = &c.operation;
+        assert_eq!(op.status, Status::Dispatched);
+        assert_eq!(op.lease_owner.as_deref(), Some("d1"));
+        assert_eq!(op.attempt_count, 1);
+        assert_eq!(op.lease_epoch, 1);
+        assert_eq!(
+            op.lease_expires_at,
+            Some(c.claimed_at + time::Duration::seconds(300)),
+            "the lease runs from the ingest's clock read"
+        );
+        assert_eq!(c.first_attempt_at, Some(op.created_at));
+        assert!(c.attempt_id.is_some(), "an attempt row before any send");
+        // Each outcome reports its operation as claimed.
+        let outcome = outcomes
+            .iter()
+            .find(|o| o.event_id == op.event_id)
+            .expect("outcome");
+        assert_eq!(
+            outcome.operation.as_ref().map(|o| o.status),
+            Some(Status::Dispatched)
+        );
+        // The history and the results say ingested, then claimed, in order.
+        let history = l.events(op.operation_id).await.expect("history");
+        let reasons: Vec<&str> = history.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(reasons, ["ingested", "claimed"], "{}", op.event_id);
+    }
+    // The redelivered a0 is an inbox hit, untouched: still leased to "elsewhere".
+    let a0 = l
+        .operation(held.operation.operation_id)
+        .await
+        .expect("read")
+        .expect("a0");
+    assert_eq!(a0.lease_owner.as_deref(), Some("elsewhere"));
+    assert_eq!(a0.lease_epoch, held.epoch());
+    assert!(outcomes[9].inbox_hit);
+    // What waits is a dispatcher's to claim, as before: e1 now (room), t1 with room.
+    let mut next = l
+        .claim(&claim_request("d2", LONG, 10))
+        .await
+        .expect("claim");
+    next.sort_by(|x, y| x.operation.event_id.cmp(&y.operation.event_id));
+    let rest: Vec<&str> = next.iter().map(|c| c.operation.event_id.as_str()).collect();
+    assert_eq!(
+        rest,
+        ["e1", "t1"],
+        "b2 waits behind b1, a1 behind a0, r1 for approval"
+    );
+    let r1 = outcomes[4].operation.as_ref().expect("r1");
+    assert_eq!(r1.status, Status::AwaitingApproval);
+    // A second ingest with no room at all claims nothing and writes as a plain ingest.
+    let mut none = claim_request("d1", LONG, 0);
+    none.tool_room = BTreeMap::from([("pay".to_owned(), 5)]);
+    let (outcomes, claims) = l
+        .ingest_and_claim(&[pay("f1", "F", "1")], Duration::from_secs(5), &none)
+        .await
+        .expect("ingest");
+    assert!(claims.is_empty());
+    assert_eq!(
+        outcomes[0].operation.as_ref().map(|o| o.status),
+        Some(Status::PendingDispatch)
+    );
+}
+
+/// Two ingests creating writes of one entity at once: at most one of them claims, the
+/// other's operation waits behind it (the unique index on writes in flight decides a
+/// race the head-of-line read cannot see; the loser's transaction is retried).
+async fn racing_ingest_claims_never_put_two_writes_of_one_entity_in_flight(h: Harness) {
+    let ledger = h.ledger.clone();
+    for round in 0..8 {
+        let order = format!("R{round}");
+        let mut tasks = tokio::task::JoinSet::new();
+        for n in 0..4 {
+            let (l, order) = (ledger.clone(), order.clone());
+            tasks.spawn(async move {
+                let item = pay(&format!("r{round}-{n}"), &order, &n.to_string());
+                l.ingest_and_claim(
+                    &[item],
+                    Duration::from_secs(5),
+                    &claim_request(&format!("d{n}"), LONG, 5),
+                )
+                .await
+                .expect("ingest and claim")
+                .1
+                .len()
+            });
+        }
+        let mut claimed = 0;
+        while let Some(n) = tasks.join_next().await {
+            claimed += n.expect("task");
+        }
+        assert_eq!(claimed, 1, "round {round}: one write of {order} in flight");
+        let in_flight = h
+            .count(&format!(
+                "SELECT COUNT(*) FROM operations WHERE entity_id = '{order}' AND status = 'dispatched'"
+            ))
+            .await;
+        assert_eq!(in_flight, 1, "round {round}");
+    }
+}
+
+/// The dispatcher's wake-up ([`Ledger::claimable_changes`]) comes from commits that may
+/// have left something to claim, not from every commit: an ingest that claimed all it
+/// created, or one that created nothing, and a recording that freed no waiting write,
+/// leave it asleep; the relay's view ([`Ledger::changes`]) hears every one.
+async fn only_commits_that_leave_work_claimable_wake_the_dispatcher(h: Harness) {
+    let l = h.ledger.as_ref();
+    let quiet = Duration::from_millis(150);
+    let soon = Duration::from_secs(5);
+    let mut dispatcher = l.claimable_changes();
+    let mut relay = l.changes();
+    let settle = |d: &mut opgate_store::Changes, r: &mut opgate_store::Changes| {
+        d.seen();
+        r.seen();
+    };
+    settle(&mut dispatcher, &mut relay);
+
+    // Claimed everything it created: the relay has results to publish, no claim to make.
+    let (_, claims) = l
+        .ingest_and_claim(
+            &[pay("e1", "O", "1")],
+            Duration::from_secs(5),
+            &claim_request("d", LONG, 5),
+        )
+        .await
+        .expect("ingest");
+    assert_eq!(claims.len(), 1);
+    assert!(woken(&mut relay, soon).await, "results to publish");
+    assert!(
+        !woken(&mut dispatcher, quiet).await,
+        "nothing left to claim"
+    );
+
+    // A second write of the same entity, created behind the first: not claimable yet,
+    // but an ingest that left an operation unclaimed wakes the dispatcher.
+    settle(&mut dispatcher, &mut relay);
+    let (_, claims) = l
+        .ingest_and_claim(
+            &[pay("e2", "O", "2")],
+            Duration::from_secs(5),
+            &claim_request("d", LONG, 5),
+        )
+        .await
+        .expect("ingest");
+    assert!(claims.is_empty(), "behind the write in flight");
+    assert!(
+        woken(&mut dispatcher, soon).await,
+        "an unclaimed operation wakes"
+    );
+
+    // A redelivery only: nothing created, nothing to claim.
+    settle(&mut dispatcher, &mut relay);
+    l.ingest(&[pay("e1", "O", "1")]).await.expect("redelivery");
+    assert!(
+        !woken(&mut dispatcher, quiet).await,
+        "a redelivery makes no work"
+    );
+
+    // The first write settles while the second waits behind it: a wake-up.
+    settle(&mut dispatcher, &mut relay);
+    let first = &claims_of(l, "e1").await;
+    record_ok(
+        l,
+        Recording::new(
+            first.operation_id,
+            first.lease_epoch,
+            Event::Succeed,
+            "committed",
+        ),
+    )
+    .await;
+    assert!(
+        woken(&mut dispatcher, soon).await,
+        "its entity freed a waiting write"
+    );
+
+    // The second settles with nothing behind it: the relay hears it, the dispatcher not.
+    let second = claim_one(l, "d").await;
+    settle(&mut dispatcher, &mut relay);
+    record_ok(
+        l,
+        Recording::new(
+            second.operation.operation_id,
+            second.epoch(),
+            Event::Succeed,
+            "committed",
+        ),
+    )
+    .await;
+    assert!(woken(&mut relay, soon).await, "a result to publish");
+    assert!(!woken(&mut dispatcher, quiet).await, "no write waits on O");
+
+    // A plain ingest that creates a ready operation wakes it.
+    settle(&mut dispatcher, &mut relay);
+    l.ingest(&[pay("e3", "P", "1")]).await.expect("ingest");
+    assert!(woken(&mut dispatcher, soon).await, "a new ready operation");
+}
+
+/// The operation an event created, as it stands.
+async fn claims_of(l: &dyn Ledger, event_id: &str) -> opgate_core::Operation {
+    let page = l
+        .list(&ListFilter {
+            limit: Some(100),
+            ..Default::default()
+        })
+        .await
+        .expect("list");
+    page.operations
+        .into_iter()
+        .find(|op| op.event_id == event_id)
+        .expect("operation of the event")
 }

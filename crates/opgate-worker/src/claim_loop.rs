@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opgate_store::Changes;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
@@ -57,19 +57,46 @@ pub(crate) struct Loop {
 }
 
 impl Loop {
-    /// Runs until `cancel`, then drains.
+    /// Runs until `cancel`, then drains. Claims made elsewhere and handed in on `handed`
+    /// (claim at ingest, [`opgate_store::handoff`]) are handled as they arrive, each under
+    /// the permit it comes with (or one waited for); the drain also waits until every
+    /// sender of `handed` is gone and what they sent is handled.
     pub(crate) async fn run<T, C, CF, H, HF>(
         mut self,
         cancel: CancellationToken,
         mut claim: C,
         handle: H,
+        handed: Option<Handed<T>>,
     ) where
+        T: Send + 'static,
         C: FnMut(usize) -> CF,
         CF: Future<Output = opgate_store::Result<Round<T>>>,
-        H: Fn(T) -> HF,
+        H: Fn(T) -> HF + Clone + Send + 'static,
         HF: Future<Output = ()> + Send + 'static,
     {
         let tracker = TaskTracker::new();
+        if let Some(mut handed) = handed {
+            let (tracker2, permits, freed, handle) = (
+                tracker.clone(),
+                self.permits.clone(),
+                self.freed.clone(),
+                handle.clone(),
+            );
+            tracker.spawn(async move {
+                while let Some(batch) = handed.recv().await {
+                    for (c, permit) in batch {
+                        let permit = match permit {
+                            Some(permit) => permit,
+                            None => match permits.clone().acquire_owned().await {
+                                Ok(permit) => permit,
+                                Err(_) => return,
+                            },
+                        };
+                        spawn_handled(&tracker2, handle(c), permit, freed.clone());
+                    }
+                }
+            });
+        }
         let mut backoff = Duration::from_millis(50);
         while !cancel.is_cancelled() {
             let room = self.permits.available_permits().min(self.batch);
@@ -88,13 +115,7 @@ impl Loop {
                             let Ok(permit) = self.permits.clone().acquire_owned().await else {
                                 break;
                             };
-                            let work = handle(c);
-                            let freed = self.freed.clone();
-                            tracker.spawn(async move {
-                                work.await;
-                                drop(permit);
-                                freed.notify_one();
-                            });
+                            spawn_handled(&tracker, handle(c), permit, self.freed.clone());
                         }
                         let pause = match next {
                             Next::Now => Duration::ZERO,
@@ -137,6 +158,24 @@ impl Loop {
         tracker.close();
         tracker.wait().await;
     }
+}
+
+/// Claims handed to the loop, each with the permit it was handed with (`None`: the loop
+/// waits for one).
+pub(crate) type Handed<T> = mpsc::UnboundedReceiver<Vec<(T, Option<OwnedSemaphorePermit>)>>;
+
+/// Handles one claim under `permit`, then gives the permit back and says room was freed.
+fn spawn_handled(
+    tracker: &TaskTracker,
+    work: impl Future<Output = ()> + Send + 'static,
+    permit: OwnedSemaphorePermit,
+    freed: Arc<Notify>,
+) {
+    tracker.spawn(async move {
+        work.await;
+        drop(permit);
+        freed.notify_one();
+    });
 }
 
 /// One round without the loop (tests): handle every claim and wait for all of them.

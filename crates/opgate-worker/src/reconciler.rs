@@ -113,10 +113,14 @@ impl Reconciler {
                         Ok(Round { claims, next })
                     }
                 },
-                |claim| {
-                    let this = self.clone();
-                    async move { this.reconcile(claim).await }
+                {
+                    let handler = self.clone();
+                    move |claim| {
+                        let this = handler.clone();
+                        async move { this.reconcile(claim).await }
+                    }
                 },
+                None,
             )
             .await;
         info!("reconciler stopped");

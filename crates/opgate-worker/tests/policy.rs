@@ -11,7 +11,7 @@ use opgate_core::outcome::AdapterOutcome;
 use opgate_core::{
     Delivery, Event, IngestItem, Limits, Operation, Proposal, Registry, Source, Status,
 };
-use opgate_store::{ClaimRequest, Command, SharedLedger};
+use opgate_store::{ClaimRequest, Command, Handoff as _, SharedLedger};
 use opgate_testkit::provider::{ScriptedProvider, Step};
 use opgate_worker::{Adapters, Dispatcher, DispatcherConfig, Leased, Reconciler, ReconcilerConfig};
 use serde_json::json;
@@ -388,4 +388,167 @@ async fn futures_ids(w: &World, n: u64) -> Vec<Uuid> {
         ids.push(w.propose(&format!("e{i}"), i + 1).await);
     }
     ids
+}
+
+/// One proposal of `charge` as an ingest item.
+fn charge(w: &World, entity: &str, amount: u64) -> IngestItem {
+    let value = json!({"event_id": Uuid::now_v7().to_string(), "tool": "charge",
+        "entity": {"type": "account", "id": entity}, "args": {"amount": amount}});
+    let proposal = Proposal::from_value(value, &Limits::default()).expect("proposal");
+    IngestItem::from_proposal(
+        &w.registry,
+        &proposal,
+        Delivery {
+            principal: None,
+            source: Source::Http,
+            traceparent: None,
+        },
+    )
+}
+
+fn wanted(n: usize) -> std::collections::BTreeMap<String, usize> {
+    std::collections::BTreeMap::from([("charge".to_owned(), n)])
+}
+
+/// Waits until the running dispatcher offers room (its first claim found no backlog).
+async fn first_offer(w: &World, n: usize) -> opgate_store::Offer {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(offer) = w.dispatcher.offer(&wanted(n)) {
+            return offer;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dispatcher never offered room"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn until_completed(w: &World, ids: &[Uuid]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for id in ids {
+        while w.op(*id).await.status != Status::CompletedSuccess {
+            assert!(Instant::now() < deadline, "{id} not completed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Claim at ingest: the room a dispatcher offers is what a claim of its own could take
+/// (free permits and places ahead, at most what the batch holds), promised to the offer
+/// until it is taken or dropped, so two offers never promise the same room. The claims
+/// an ingest hands back are sent once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once() {
+    let w = world_with(2, 2).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    // Two permits and two places ahead: room for four; the batch holds three.
+    let first = first_offer(&w, 3).await;
+    assert_eq!(first.request.limit, 3);
+    assert_eq!(first.request.tool_room.get("charge"), Some(&3));
+    assert_eq!(first.request.owner, "d1");
+    // While it is out, another offer gets only what is left.
+    let second = w.dispatcher.offer(&wanted(3)).expect("one place left");
+    assert_eq!(second.request.tool_room.get("charge"), Some(&1));
+    assert!(
+        w.dispatcher.offer(&wanted(3)).is_none(),
+        "everything is promised"
+    );
+    // A failed ingest drops its offer: the room comes back.
+    drop(second);
+    let again = w.dispatcher.offer(&wanted(1)).expect("given back");
+    assert_eq!(again.request.tool_room.get("charge"), Some(&1));
+    drop(again);
+
+    let batch: Vec<IngestItem> = (1..=3).map(|n| charge(&w, &format!("h{n}"), n)).collect();
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(&batch, Duration::from_secs(1), &first.request)
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 3);
+    first.take(claims);
+    let ids: Vec<Uuid> = outcomes
+        .iter()
+        .map(|o| o.operation.as_ref().expect("op").operation_id)
+        .collect();
+    until_completed(&w, &ids).await;
+    for id in &ids {
+        let op = w.op(*id).await;
+        assert_eq!(w.provider.effects(&w.key(&op)), 1);
+        assert_eq!(op.attempt_count, 1, "claimed once, at ingest");
+    }
+    assert!(
+        w.provider.max_in_flight() <= 2,
+        "per_tool holds for handed claims"
+    );
+    // Handed back and settled: the whole room is offered again.
+    let whole = w.dispatcher.offer(&wanted(9)).expect("room");
+    assert_eq!(whole.request.tool_room.get("charge"), Some(&4));
+    drop(whole);
+    cancel.cancel();
+    running.await.expect("dispatcher");
+}
+
+/// No room is offered before the dispatcher has found no backlog (what an ingest creates
+/// would be claimed ahead of older operations), nor once it is stopping. An offer made
+/// before the stop and taken after it is still sent: the drain waits for it. An offer
+/// dropped after the stop does not hold the drain up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_room_is_offered_behind_a_backlog_or_after_a_stop_and_an_offer_out_is_drained() {
+    let w = world_with(4, 4).await;
+    assert!(
+        w.dispatcher.offer(&wanted(1)).is_none(),
+        "not running: no claim has found the queue empty"
+    );
+    // A backlog: the first claim takes up to the room, the rest wait.
+    let backlog = futures_ids(&w, 12).await;
+    let slow = || Step {
+        delay: Duration::from_millis(100),
+        ..Step::ok()
+    };
+    w.provider.script((0..12).map(|_| slow()));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        w.dispatcher.offer(&wanted(1)).is_none(),
+        "a backlog waits: no claim at ingest"
+    );
+    until_completed(&w, &backlog).await;
+    let out = first_offer(&w, 1).await;
+    let dropped = w.dispatcher.offer(&wanted(1)).expect("room for another");
+    cancel.cancel();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        w.dispatcher.offer(&wanted(1)).is_none(),
+        "stopping: no new offer"
+    );
+    drop(dropped);
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(
+            &[charge(&w, "late", 99)],
+            Duration::from_secs(1),
+            &out.request,
+        )
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 1);
+    out.take(claims);
+    tokio::time::timeout(Duration::from_secs(10), running)
+        .await
+        .expect("the drain ends once the offers are settled")
+        .expect("dispatcher");
+    let late = w
+        .op(outcomes[0].operation.as_ref().expect("op").operation_id)
+        .await;
+    assert_eq!(
+        late.status,
+        Status::CompletedSuccess,
+        "sent during the drain"
+    );
+    assert_eq!(w.provider.effects(&w.key(&late)), 1);
 }

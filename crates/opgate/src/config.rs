@@ -56,6 +56,11 @@ pub struct WorkerConfig {
     /// Most call outcomes recorded in one ledger transaction (default 128; 1 records each
     /// outcome in its own transaction).
     pub record_batch: Option<usize>,
+    /// With the ingest and dispatch roles in one process, the ingest transaction claims
+    /// the ready operations it creates for this process's dispatcher, as far as it has
+    /// room to send them at once (default true; `opgate_store::handoff`). False leaves
+    /// every operation to the dispatcher's own claim.
+    pub claim_at_ingest: Option<bool>,
     /// Longest pause between two lookups of one unknown outcome (default 30000).
     pub reconcile_max_backoff_ms: Option<u64>,
     /// Inbox rows and published results older than this are

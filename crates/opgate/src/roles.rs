@@ -164,10 +164,6 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             Ok(())
         });
     }
-    if let Some(worker) = ingest {
-        let token = cancel.child_token();
-        tasks.spawn(async move { Ok(worker.run(token).await?) });
-    }
     if has("relay") {
         let kafka = config.kafka()?;
         let relay = opgate_kafka::ResultsRelay::new(
@@ -187,6 +183,8 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
             cancel.child_token(),
         ));
     }
+    // This process's dispatcher, for claims made at ingest.
+    let mut handoff: Option<Arc<dyn opgate_store::Handoff>> = None;
     if has("dispatch") || has("reconcile") {
         let adapters = opgate_worker::Adapters::from_registry(&registry, |n| env(n))?;
         let w = &config.worker;
@@ -215,6 +213,9 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                     ..defaults
                 },
             )?;
+            if w.claim_at_ingest.unwrap_or(true) {
+                handoff = Some(Arc::new(dispatcher.clone()));
+            }
             let token = cancel.child_token();
             tasks.spawn(async move {
                 dispatcher.run(token).await;
@@ -242,6 +243,14 @@ pub async fn start(config: &Config, roles: &[String], env: EnvLookup) -> anyhow:
                 Ok(())
             });
         }
+    }
+    // The ingest worker starts last, once the dispatcher it may hand claims to is built.
+    if let Some(mut worker) = ingest {
+        if let Some(handoff) = handoff {
+            worker = worker.with_handoff(handoff);
+        }
+        let token = cancel.child_token();
+        tasks.spawn(async move { Ok(worker.run(token).await?) });
     }
     info!(roles = %roles.join(","), "opgate running");
     Ok(Running {

@@ -20,11 +20,12 @@
 //! A panic in the ledger call drops the group's answers, and the lanes waiting for them
 //! panic in turn: the member stops, as it did when a lane's own ledger call panicked.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opgate_core::IngestItem;
-use opgate_store::{IngestOutcome, Ledger, SharedLedger};
+use opgate_store::{Handoff, IngestOutcome, Ledger, SharedLedger};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::debug;
 
@@ -61,12 +62,19 @@ pub(super) struct Group {
 pub(super) struct Committer {
     rx: mpsc::UnboundedReceiver<Request>,
     max_messages: usize,
+    /// A dispatcher in this process that takes claims made at ingest.
+    pub(super) handoff: Option<Arc<dyn Handoff>>,
 }
 
 /// A group commit for batches of at most `max_messages` proposals in all.
 pub(super) fn group_commit(max_messages: usize) -> (Group, Committer) {
     let (tx, rx) = mpsc::unbounded_channel();
-    (Group { tx }, Committer { rx, max_messages })
+    let committer = Committer {
+        rx,
+        max_messages,
+        handoff: None,
+    };
+    (Group { tx }, committer)
 }
 
 impl Group {
@@ -130,9 +138,10 @@ impl Committer {
             // task dropped unpolled drops it too).
             let out = Out(in_ledger.clone(), id, done.clone());
             let ledger = ledger.clone();
+            let handoff = self.handoff.clone();
             tokio::spawn(async move {
                 let _out = out;
-                commit(ledger.as_ref(), group).await;
+                commit(ledger.as_ref(), handoff.as_deref(), group).await;
             });
         }
     }
@@ -180,8 +189,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Ingests a group in one transaction and answers each of its batches.
-async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
+/// Ingests a group in one transaction and answers each of its batches. With a dispatcher
+/// beside it that has room, the same transaction claims the ready operations it creates
+/// for that dispatcher, which gets them once it committed ([`opgate_store::handoff`]).
+async fn commit(ledger: &dyn Ledger, handoff: Option<&dyn Handoff>, group: Vec<Request>) {
     let batches = group.len();
     let mut lengths = Vec::with_capacity(batches);
     let mut replies = Vec::with_capacity(batches);
@@ -192,10 +203,29 @@ async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
         items.extend(request.items);
     }
     let started = Instant::now();
-    let result = ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await;
+    let offer = handoff.and_then(|h| h.offer(&tools_wanted(&items)));
+    let mut claimed = 0;
+    let result = match offer {
+        Some(offer) => {
+            match ledger
+                .ingest_and_claim(&items, LOCK_WAIT, &offer.request)
+                .await
+            {
+                Ok((outcomes, claims)) => {
+                    claimed = claims.len();
+                    offer.take(claims);
+                    Ok(outcomes)
+                }
+                // The offer's room goes back with it.
+                Err(e) => Err(e),
+            }
+        }
+        None => ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await,
+    };
     debug!(
         batches,
         proposals = items.len(),
+        claimed,
         ms = started.elapsed().as_secs_f64() * 1000.0,
         error = result.as_ref().err().map(tracing::field::display),
         "ingest group"
@@ -207,6 +237,17 @@ async fn commit(ledger: &dyn Ledger, group: Vec<Request>) {
         // A lane stopped meanwhile (its partition revoked) no longer listens.
         let _ = reply.send((own, answer));
     }
+}
+
+/// How many proposals of each tool a batch holds: the room a claim at ingest could use.
+fn tools_wanted(items: &[IngestItem]) -> BTreeMap<String, usize> {
+    let mut wanted = BTreeMap::new();
+    for item in items {
+        if let IngestItem::Accepted(env) = item {
+            *wanted.entry(env.tool.clone()).or_default() += 1;
+        }
+    }
+    wanted
 }
 
 /// Each batch's answer from the group's result, in order: its own outcomes; `None` for

@@ -254,6 +254,14 @@ impl IngestWorker {
         })
     }
 
+    /// Claim at ingest for a dispatcher in this process ([`opgate_store::handoff`]): the
+    /// ingest transaction claims the ready operations it creates, as far as the
+    /// dispatcher has room to send them at once.
+    pub fn with_handoff(mut self, handoff: Arc<dyn opgate_store::Handoff>) -> Self {
+        self.committer.handoff = Some(handoff);
+        self
+    }
+
     /// A crash point for tests: after `commits` ledger commits the worker stops dead —
     /// no offset stored, no commit, no goodbye to the group — as a killed process would.
     #[doc(hidden)]

@@ -6,13 +6,41 @@ use super::*;
 /// Claims work for a dispatcher (see [`crate::Ledger::claim`]).
 pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<Vec<Claim>> {
     let now = tx.now().await?;
+    lease(tx, request, now, None).await
+}
+
+/// Claims for a dispatcher, in the ingest transaction that created them, those of
+/// `created` that are ready and head of line on their entity (see
+/// [`crate::Ledger::ingest_and_claim`]). `now` is the ingest's clock read: the lease
+/// runs from before the rows were written, never from later than the claim.
+pub(crate) async fn claim_created<T: Tx>(
+    tx: &mut T,
+    request: &ClaimRequest,
+    now: OffsetDateTime,
+    created: &[Uuid],
+) -> Result<Vec<Claim>> {
+    if created.is_empty() || request.limit == 0 {
+        return Ok(Vec::new());
+    }
+    lease(tx, request, now, Some(created)).await
+}
+
+/// Leases up to `request.limit` claimable operations (only those of `among`, when given),
+/// of each tool at most its room: the operation, its attempt row, the history event, the
+/// queue row and the `dispatched` result, each kind of row written once for the batch.
+async fn lease<T: Tx>(
+    tx: &mut T,
+    request: &ClaimRequest,
+    now: OffsetDateTime,
+    among: Option<&[Uuid]>,
+) -> Result<Vec<Claim>> {
     let mut room = request.tool_room.clone();
     let full: Vec<String> = room
         .iter()
         .filter(|(_, free)| **free == 0)
         .map(|(tool, _)| tool.clone())
         .collect();
-    let picked = tx.pick_claimable(now, request.limit, &full).await?;
+    let picked = tx.pick_claimable(now, request.limit, &full, among).await?;
     let mut chosen = Vec::with_capacity(picked.len());
     for (id, tool) in picked {
         // Sized by the tool's free permits: the rest stay queued for the next claim.
@@ -159,7 +187,32 @@ pub(crate) async fn record<T: Tx>(
         now,
     )
     .await?;
+    if !leaves_claimable(tx, &queue_rows, now).await? {
+        tx.leaves_nothing_claimable();
+    }
     Ok(results)
+}
+
+/// Whether these queue rows, just written, may have left an operation claimable now: one
+/// of them is ready now, or one left its entity (finished) while another write of that
+/// entity waits behind it. A retry due later is found by the dispatcher's poll.
+async fn leaves_claimable<T: Tx>(
+    tx: &mut T,
+    rows: &[(&Operation, QueueState, OffsetDateTime)],
+    now: OffsetDateTime,
+) -> Result<bool> {
+    if rows
+        .iter()
+        .any(|(_, state, ready_at)| *state == QueueState::Waiting && *ready_at <= now)
+    {
+        return Ok(true);
+    }
+    let freed: Vec<&str> = rows
+        .iter()
+        .filter(|(op, state, _)| *state == QueueState::Done && op.side_effect_class.is_write())
+        .map(|(op, ..)| op.entity_key.as_str())
+        .collect();
+    Ok(!freed.is_empty() && tx.waiting_on_entities(&freed).await?)
 }
 
 /// The epoch check and the fields a recording carries besides the transition.

@@ -1,5 +1,6 @@
 //! Ingest: a batch of proposals -> inbox, operations, history, queue and results, with a
-//! fixed number of statements per batch on the hot path.
+//! fixed number of statements per batch on the hot path; and, for a dispatcher in the
+//! same process, the claim of the ready operations it created, in the same transaction.
 
 use super::*;
 
@@ -9,6 +10,59 @@ use super::*;
 /// by row against the operations they hit.
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
+    let outcomes = ingest_at(tx, batch, now).await?;
+    if created_waiting(&outcomes).next().is_none() {
+        tx.leaves_nothing_claimable();
+    }
+    Ok(outcomes)
+}
+
+/// The operations a batch created that wait in the queue for a claim (not those parked
+/// for approval).
+fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '_ {
+    outcomes
+        .iter()
+        .filter(|o| !o.inbox_hit && o.decision == IngestDecision::Accepted)
+        .filter_map(|o| o.operation.as_ref())
+        .filter(|op| QueueState::of(op.status) == QueueState::Waiting)
+        .map(|op| op.operation_id)
+}
+
+/// [`ingest`], then, in the same transaction, a claim for a dispatcher of the operations
+/// the batch created ([`claim_created`]; see [`crate::Ledger::ingest_and_claim`]). Each
+/// claimed operation's outcome reports it as claimed.
+pub(crate) async fn ingest_and_claim<T: Tx>(
+    tx: &mut T,
+    batch: &[IngestItem],
+    request: &ClaimRequest,
+) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
+    let now = tx.now().await?;
+    let mut outcomes = ingest_at(tx, batch, now).await?;
+    let created: Vec<Uuid> = created_waiting(&outcomes).collect();
+    let claims = claim_created(tx, request, now, &created).await?;
+    if claims.len() == created.len() {
+        // Each one it created is claimed: nothing for a dispatcher to claim.
+        tx.leaves_nothing_claimable();
+    }
+    let claimed: HashMap<Uuid, &Operation> = claims
+        .iter()
+        .map(|c| (c.operation.operation_id, &c.operation))
+        .collect();
+    for outcome in &mut outcomes {
+        if let Some(op) = &mut outcome.operation
+            && let Some(after) = claimed.get(&op.operation_id)
+        {
+            *op = (*after).clone();
+        }
+    }
+    Ok((outcomes, claims))
+}
+
+async fn ingest_at<T: Tx>(
+    tx: &mut T,
+    batch: &[IngestItem],
+    now: OffsetDateTime,
+) -> Result<Vec<IngestOutcome>> {
     let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
     // What each proposal is expected to become, written into its inbox row: most are new
     // (accepted, naming the operation id drawn here) or refused already, and their inbox

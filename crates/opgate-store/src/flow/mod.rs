@@ -42,10 +42,11 @@ mod tx;
 
 pub(crate) use admin::{apply, compensate};
 use change::*;
+use dispatch::claim_created;
 pub(crate) use dispatch::{claim, record};
 use guards::*;
 pub(crate) use guards::{GUARD_IGNORES, GuardProbe};
-pub(crate) use ingest::ingest;
+pub(crate) use ingest::{ingest, ingest_and_claim};
 pub(crate) use reconcile::claim_reconcile;
 pub(crate) use tx::{
     InboxRow, NewAttempt, NewEvent, NewInbox, NewOutbox, Rows, Tx, write_rows_in_turn,

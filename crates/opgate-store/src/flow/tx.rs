@@ -84,6 +84,11 @@ pub(crate) struct Rows<'a> {
 
 /// The statements a backend provides inside one open transaction.
 pub(crate) trait Tx: Send {
+    /// Says this transaction leaves no operation claimable now that was not before (it
+    /// claimed what it created, or made no queue row ready): its commit need not wake
+    /// this process's dispatcher ([`crate::Ledger::claimable_changes`]). A transaction
+    /// that does not say so wakes it.
+    fn leaves_nothing_claimable(&mut self);
     /// The database clock.
     fn now(&mut self) -> impl Future<Output = Result<OffsetDateTime>> + Send;
     /// Inserts an inbox row; false if it exists.
@@ -363,13 +368,21 @@ pub(crate) trait Tx: Send {
     ) -> impl Future<Output = Result<()>> + Send {
         write_rows_in_turn(self, rows, at)
     }
-    /// Locks up to `limit` claimable head-of-line queue rows, skipping locked ones and
-    /// those of `skip_tools`; returns each with its tool.
+    /// Whether a write operation of one of these entities waits in the queue (one
+    /// that an operation leaving the entity may have put at the head of the line).
+    fn waiting_on_entities(
+        &mut self,
+        entity_keys: &[&str],
+    ) -> impl Future<Output = Result<bool>> + Send;
+    /// Locks up to `limit` claimable head-of-line queue rows, oldest first, skipping
+    /// locked ones and those of `skip_tools`; only rows of `among` when given (the
+    /// operations an ingest just created). Returns each with its tool.
     fn pick_claimable(
         &mut self,
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
+        among: Option<&[Uuid]>,
     ) -> impl Future<Output = Result<Vec<(Uuid, String)>>> + Send;
     /// Locks up to `limit` dispatched operations whose lease expired.
     fn pick_expired(
