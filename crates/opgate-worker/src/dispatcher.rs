@@ -273,6 +273,17 @@ struct ToolSlots {
 }
 
 impl ToolSlots {
+    /// How many of its permits are free and not wanted by a claim already made or an
+    /// ingest's: what a claim at ingest may take, so that what an ingest claims never
+    /// waits for a permit, nor goes ahead of operations claimed before it.
+    fn free_now(&self) -> usize {
+        let taken = self
+            .waiting
+            .load(Ordering::Acquire)
+            .saturating_add(self.promised.load(Ordering::Acquire));
+        self.permits.available_permits().saturating_sub(taken)
+    }
+
     /// How many operations of this tool a claim may take now: its free permits and its
     /// free places ahead of them, less the room promised to ingest transactions.
     fn room(&self, config: &DispatcherConfig, claim_time: Duration) -> usize {
@@ -751,11 +762,12 @@ impl Dispatcher {
 }
 
 /// Claim at ingest ([`opgate_store::handoff`]): offered only while the dispatcher's own
-/// claims find no backlog (`caught_up`). The room offered is the room a claim of the
-/// dispatcher's own would have now ([`ToolSlots::room`]), of each tool at most as many
-/// as the batch holds, of all at most `batch`. It is promised to the ingest until
-/// its claims come back (counted as waiting, so no other claim or offer takes it too);
-/// a claim that then finds no free permit waits for one as a claim taken ahead does.
+/// claims find no backlog (`caught_up`). The room offered is each tool's free permits
+/// that no claimed operation waits for ([`ToolSlots::free_now`]: no places ahead, so
+/// what an ingest claims goes ahead of nothing), at most as many as the batch holds, of
+/// all at most `batch`. It is promised to the ingest until its claims come back (counted
+/// against the room of every other claim and offer); a claim that then finds no free
+/// permit (taken meanwhile) waits for one as a claim taken ahead does.
 impl Handoff for Dispatcher {
     fn offer(&self, wanted: &BTreeMap<String, usize>) -> Option<Offer> {
         let inner = &self.inner;
@@ -766,10 +778,14 @@ impl Handoff for Dispatcher {
         let total = wanted
             .values()
             .fold(0usize, |sum, n| sum.saturating_add(*n));
-        let mut tool_room = self.tool_room();
-        for (tool, room) in &mut tool_room {
-            *room = (*room).min(wanted.get(tool).copied().unwrap_or(0));
-        }
+        let tool_room: BTreeMap<String, usize> = inner
+            .per_tool
+            .iter()
+            .map(|(tool, slots)| {
+                let want = wanted.get(tool).copied().unwrap_or(0);
+                (tool.clone(), slots.free_now().min(want))
+            })
+            .collect();
         let limit = claim_limit(total.min(inner.config.batch), &tool_room);
         if limit == 0 {
             return None;

@@ -441,20 +441,21 @@ async fn until_completed(w: &World, ids: &[Uuid]) {
 /// an ingest hands back are sent once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once() {
-    let w = world_with(2, 2).await;
+    let w = world_with(3, 3).await;
     let cancel = tokio_util::sync::CancellationToken::new();
     let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
-    // Two permits and two places ahead: room for four; the batch holds three.
-    let first = first_offer(&w, 3).await;
-    assert_eq!(first.request.limit, 3);
-    assert_eq!(first.request.tool_room.get("charge"), Some(&3));
+    // Three permits free: room for as many as the batch holds, two.
+    let first = first_offer(&w, 2).await;
+    assert_eq!(first.request.limit, 2);
+    assert_eq!(first.request.tool_room.get("charge"), Some(&2));
     assert_eq!(first.request.owner, "d1");
-    // While it is out, another offer gets only what is left.
-    let second = w.dispatcher.offer(&wanted(3)).expect("one place left");
+    // While it is out, another offer gets only what is left: no places ahead, only
+    // permits (what an ingest claims must go ahead of nothing already claimed).
+    let second = w.dispatcher.offer(&wanted(3)).expect("one permit left");
     assert_eq!(second.request.tool_room.get("charge"), Some(&1));
     assert!(
         w.dispatcher.offer(&wanted(3)).is_none(),
-        "everything is promised"
+        "every permit is promised"
     );
     // A failed ingest drops its offer: the room comes back.
     drop(second);
@@ -462,13 +463,13 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
     assert_eq!(again.request.tool_room.get("charge"), Some(&1));
     drop(again);
 
-    let batch: Vec<IngestItem> = (1..=3).map(|n| charge(&w, &format!("h{n}"), n)).collect();
+    let batch: Vec<IngestItem> = (1..=2).map(|n| charge(&w, &format!("h{n}"), n)).collect();
     let (outcomes, claims) = w
         .ledger
         .ingest_and_claim(&batch, Duration::from_secs(1), &first.request)
         .await
         .expect("ingest and claim");
-    assert_eq!(claims.len(), 3);
+    assert_eq!(claims.len(), 2);
     first.take(claims);
     let ids: Vec<Uuid> = outcomes
         .iter()
@@ -484,9 +485,9 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
         w.provider.max_in_flight() <= 2,
         "per_tool holds for handed claims"
     );
-    // Handed back and settled: the whole room is offered again.
+    // Handed back and settled: every permit is offered again.
     let whole = w.dispatcher.offer(&wanted(9)).expect("room");
-    assert_eq!(whole.request.tool_room.get("charge"), Some(&4));
+    assert_eq!(whole.request.tool_room.get("charge"), Some(&3));
     drop(whole);
     cancel.cancel();
     running.await.expect("dispatcher");
