@@ -59,8 +59,8 @@ pub(crate) struct Loop {
 impl Loop {
     /// Runs until `cancel`, then drains. Claims made elsewhere and handed in on `handed`
     /// (claim at ingest, [`opgate_store::handoff`]) are handled as they arrive, each under
-    /// the permit it comes with (or one waited for); the drain also waits until every
-    /// sender of `handed` is gone and what they sent is handled.
+    /// a permit as the loop's own; the drain also waits until every sender of `handed` is
+    /// gone and what they sent is handled.
     pub(crate) async fn run<T, C, CF, H, HF>(
         mut self,
         cancel: CancellationToken,
@@ -84,13 +84,9 @@ impl Loop {
             );
             tracker.spawn(async move {
                 while let Some(batch) = handed.recv().await {
-                    for (c, permit) in batch {
-                        let permit = match permit {
-                            Some(permit) => permit,
-                            None => match permits.clone().acquire_owned().await {
-                                Ok(permit) => permit,
-                                Err(_) => return,
-                            },
+                    for c in batch {
+                        let Ok(permit) = permits.clone().acquire_owned().await else {
+                            return;
                         };
                         spawn_handled(&tracker2, handle(c), permit, freed.clone());
                     }
@@ -160,9 +156,8 @@ impl Loop {
     }
 }
 
-/// Claims handed to the loop, each with the permit it was handed with (`None`: the loop
-/// waits for one).
-pub(crate) type Handed<T> = mpsc::UnboundedReceiver<Vec<(T, Option<OwnedSemaphorePermit>)>>;
+/// Claims handed to the loop from outside it (claim at ingest).
+pub(crate) type Handed<T> = mpsc::UnboundedReceiver<Vec<T>>;
 
 /// Handles one claim under `permit`, then gives the permit back and says room was freed.
 fn spawn_handled(

@@ -234,8 +234,8 @@ struct Inner {
     handed: Mutex<Option<Handed<Leased>>>,
 }
 
-/// Claims made at ingest, each with its overall permit.
-type HandedBatch = Vec<(Leased, Option<OwnedSemaphorePermit>)>;
+/// Claims made at ingest.
+type HandedBatch = Vec<Leased>;
 
 impl Inner {
     /// A claim asked for at `asked`, with its tool's permit when one is free, else a place
@@ -765,9 +765,10 @@ impl Dispatcher {
 /// claims find no backlog (`caught_up`). The room offered is each tool's free permits
 /// that no claimed operation waits for ([`ToolSlots::free_now`]: no places ahead, so
 /// what an ingest claims goes ahead of nothing), at most as many as the batch holds, of
-/// all at most `batch`. It is promised to the ingest until its claims come back (counted
-/// against the room of every other claim and offer); a claim that then finds no free
-/// permit (taken meanwhile) waits for one as a claim taken ahead does.
+/// all at most `batch` and the free overall permits. The tools' room is promised to the
+/// ingest until its claims come back (counted against the room of every other claim and
+/// offer); a claim that then finds no free permit (taken meanwhile) waits for one as a
+/// claim taken ahead does.
 impl Handoff for Dispatcher {
     fn offer(&self, wanted: &BTreeMap<String, usize>) -> Option<Offer> {
         let inner = &self.inner;
@@ -786,7 +787,11 @@ impl Handoff for Dispatcher {
                 (tool.clone(), slots.free_now().min(want))
             })
             .collect();
-        let limit = claim_limit(total.min(inner.config.batch), &tool_room);
+        // Within the calls in flight overall too, so a claim handed back finds its permit.
+        let most = total
+            .min(inner.config.batch)
+            .min(self.permits.available_permits());
+        let limit = claim_limit(most, &tool_room);
         if limit == 0 {
             return None;
         }
@@ -813,7 +818,7 @@ impl Handoff for Dispatcher {
         Some(Offer::new(request, move |claims| {
             let handed: HandedBatch = claims
                 .into_iter()
-                .map(|claim| (this.leased(claim, asked), None))
+                .map(|claim| this.leased(claim, asked))
                 .collect();
             // The room promised is given back once the claims hold their places.
             drop(promised);
