@@ -131,7 +131,7 @@ struct Effect {
     key: String,
     entity: Option<String>,
     /// When the request that made it arrived.
-    received_ms: u128,
+    received_ms: u64,
     at_ms: u128,
 }
 
@@ -271,7 +271,7 @@ impl Sim {
                     provider: e.provider.to_owned(),
                     key: e.key.clone(),
                     entity: e.entity.clone(),
-                    received_ms: e.received_ms as u64,
+                    received_ms: e.received_ms,
                     at_ms: e.at_ms as u64,
                 })
                 .collect(),
@@ -328,7 +328,7 @@ impl Sim {
         entity: Option<String>,
         body: &Value,
         slow: bool,
-        received_ms: u128,
+        received_ms: u64,
     ) -> Value {
         let mut inner = self.lock();
         let dedupes = provider != "emails";
@@ -495,7 +495,7 @@ async fn handle(
         .get("x-opgate-entity")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let received_ms = sim.lock().started.elapsed().as_millis();
+    let received_ms = sim.elapsed_ms();
     let _in_flight = InFlight::enter(&sim, entity.clone());
     tokio::time::sleep(sim.config.work).await;
     let (fault, slow) = sim.faults_for(provider, &key);

@@ -2504,6 +2504,7 @@ async fn an_ingest_claims_what_it_created_as_a_claim_would(h: Harness) {
         pay("d1", "D", "1"), // claimed (third of pay's room)
         pay("e1", "E", "1"), // pay's room is used up: waits
         pay("a0", "A", "1"), // a redelivery: not claimed
+        pay("a0", "Z", "9"), // a reused event id with other content: refused
     ];
     let (outcomes, claims) = l
         .ingest_and_claim(&batch, Duration::from_secs(5), &request)
@@ -2542,6 +2543,14 @@ async fn an_ingest_claims_what_it_created_as_a_claim_would(h: Harness) {
         let reasons: Vec<&str> = history.iter().map(|e| e.reason.as_str()).collect();
         assert_eq!(reasons, ["ingested", "claimed"], "{}", op.event_id);
     }
+    // The reused id is refused and creates nothing to claim.
+    assert_eq!(
+        outcomes[10].decision,
+        IngestDecision::Rejected {
+            reason: "event_id_conflict".into()
+        }
+    );
+    assert!(outcomes[10].operation.is_none());
     // The redelivered a0 is an inbox hit, untouched: still leased to "elsewhere".
     let a0 = l
         .operation(held.operation.operation_id)

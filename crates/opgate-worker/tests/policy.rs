@@ -553,3 +553,47 @@ async fn no_room_is_offered_behind_a_backlog_or_after_a_stop_and_an_offer_out_is
     );
     assert_eq!(w.provider.effects(&w.key(&late)), 1);
 }
+
+/// A lease that runs out while an ingest holds its claim: the dispatcher's clock for a
+/// claim made at ingest starts when it made the offer, so an ingest transaction that
+/// took most of the lease (here 1.8 s of 2 s, as one held up by locks and retries would)
+/// hands back a claim with less than one tool timeout (300 ms) left. It is given back
+/// unsent, claimed again by the dispatcher, and sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_made_by_a_slow_ingest_is_given_back_unsent_then_sent_once() {
+    let w = world(4).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    let offer = first_offer(&w, 1).await;
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(
+            &[charge(&w, "slow", 7)],
+            Duration::from_secs(1),
+            &offer.request,
+        )
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 1);
+    offer.take(claims);
+    let id = outcomes[0].operation.as_ref().expect("op").operation_id;
+    until_completed(&w, &[id]).await;
+    cancel.cancel();
+    running.await.expect("dispatcher");
+    let attempts = w.ledger.attempts(id).await.expect("attempts");
+    let outcomes: Vec<Option<&str>> = attempts
+        .iter()
+        .map(|a| a.report.as_ref().map(|r| r.outcome.as_str()))
+        .collect();
+    assert_eq!(outcomes, [Some("not_sent"), Some("committed")]);
+    assert_eq!(
+        attempts[0]
+            .report
+            .as_ref()
+            .and_then(|r| r.error_category.as_deref()),
+        Some("lease_too_short_to_send")
+    );
+    assert_eq!(w.provider.calls(), 1, "sent once");
+    assert_eq!(w.provider.effects(&w.key(&w.op(id).await)), 1);
+}

@@ -206,20 +206,15 @@ async fn commit(ledger: &dyn Ledger, handoff: Option<&dyn Handoff>, group: Vec<R
     let offer = handoff.and_then(|h| h.offer(&tools_wanted(&items)));
     let mut claimed = 0;
     let result = match offer {
-        Some(offer) => {
-            match ledger
-                .ingest_and_claim(&items, LOCK_WAIT, &offer.request)
-                .await
-            {
-                Ok((outcomes, claims)) => {
-                    claimed = claims.len();
-                    offer.take(claims);
-                    Ok(outcomes)
-                }
-                // The offer's room goes back with it.
-                Err(e) => Err(e),
-            }
-        }
+        // A failed transaction drops the offer, and its room goes back with it.
+        Some(offer) => ledger
+            .ingest_and_claim(&items, LOCK_WAIT, &offer.request)
+            .await
+            .map(|(outcomes, claims)| {
+                claimed = claims.len();
+                offer.take(claims);
+                outcomes
+            }),
         None => ledger.ingest_waiting_at_most(&items, LOCK_WAIT).await,
     };
     debug!(
