@@ -2,7 +2,7 @@
 //! operation's final result is on `opgate.results`.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
 use opgate_kafka::KafkaConfig;
@@ -14,26 +14,27 @@ use rdkafka::{Offset, TopicPartitionList};
 
 /// Publishes (key, value) records to the proposals topic and waits for every ack.
 pub async fn publish(config: &KafkaConfig, records: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
-    publish_paced(config, records, None).await
+    publish_paced(config, records, None).await.map(drop)
 }
 
 /// Publishes (key, value) records to the proposals topic at `rate` records per second
-/// (catching up when behind), then waits for every ack.
+/// (catching up when behind), then waits for every ack; returns when each record was
+/// handed to the producer (the wall clock, as an agent's send would be).
 pub async fn publish_at_rate(
     config: &KafkaConfig,
     records: &[(String, Vec<u8>)],
     rate: f64,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<SystemTime>> {
     publish_paced(config, records, Some(rate)).await
 }
 
 /// Publishes every record (the `i`-th no sooner than `i / rate` seconds after the first,
-/// when a rate is given), then waits for every ack.
+/// when a rate is given), then waits for every ack; returns each record's send time.
 async fn publish_paced(
     config: &KafkaConfig,
     records: &[(String, Vec<u8>)],
     rate: Option<f64>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<SystemTime>> {
     let producer: FutureProducer = config.client_config()?.create()?;
     let topic = config.topic(PROPOSALS);
     if rate.is_some() {
@@ -52,11 +53,13 @@ async fn publish_paced(
     }
     let started = tokio::time::Instant::now();
     let mut pending = Vec::with_capacity(records.len());
+    let mut sent = Vec::with_capacity(records.len());
     for (i, (key, value)) in records.iter().enumerate() {
         if let Some(rate) = rate {
             let due = Duration::from_secs_f64(i as f64 / rate.max(1e-9));
             tokio::time::sleep_until(started + due).await;
         }
+        sent.push(SystemTime::now());
         pending.push(
             producer
                 .send_result(FutureRecord::to(&topic).key(key).payload(value))
@@ -66,7 +69,7 @@ async fn publish_paced(
     for p in pending {
         p.await.context("producer dropped")?.map_err(|(e, _)| e)?;
     }
-    Ok(())
+    Ok(sent)
 }
 
 /// Reads `opgate.results` from the beginning (blocking; run it on a blocking thread)
@@ -85,7 +88,14 @@ pub fn wait_for_final_results(
             "group.id",
             format!("bench-reader-{:x}", rand::random::<u64>()),
         )
-        .set("enable.auto.commit", "false");
+        .set("enable.auto.commit", "false")
+        // The reader is the benchmark's clock, not part of what it measures: it asks for
+        // results at most every 50 ms (a fetch waits until 1 MB or 50 ms), so that on the
+        // embedded broker, which walks a partition's message sets from the first on every
+        // fetch that returns data, it does not take the machine's CPU from the roles it
+        // times. The last result is seen at most 50 ms late.
+        .set("fetch.min.bytes", "1048576")
+        .set("fetch.wait.max.ms", "50");
     let consumer: BaseConsumer = client.create()?;
     let metadata = consumer.fetch_metadata(Some(&results), Duration::from_secs(10))?;
     let partitions = metadata.topics()[0].partitions().len() as i32;

@@ -58,7 +58,8 @@ pub struct BatchConfig {
     /// Most records per batch (default 500).
     #[serde(default = "default_max_messages")]
     pub max_messages: usize,
-    /// Longest wait for a batch to fill, in milliseconds (default 20).
+    /// Longest wait for a batch to fill, in milliseconds (default 0: a batch is what has
+    /// arrived when the lane is free; under load, that is many records).
     #[serde(default = "default_max_wait_ms")]
     pub max_wait_ms: u64,
     /// `/readyz` turns red once a partition has not been able to store a batch for this
@@ -90,7 +91,7 @@ fn default_max_messages() -> usize {
 }
 
 fn default_max_wait_ms() -> u64 {
-    20
+    0
 }
 
 /// Property names whose values are secrets.

@@ -6,7 +6,8 @@
 //! `opgate.results` (the embedded broker, or `--brokers` for a Kafka cluster: the topics
 //! get a fresh prefix there). It prints operations/s, latency percentiles from consume
 //! (the ingest's clock read) to the call reaching the provider, to its effect there and to
-//! settled in the ledger, on PostgreSQL the transactions and row writes
+//! settled in the ledger (and, with `--rate`, from each record's send to the call at the
+//! provider: what the agent waits), on PostgreSQL the transactions and row writes
 //! per operation (from `pg_stat_database`; statements per operation, round trips, from
 //! `pg_stat_statements` where it is loaded), the machine's CPU time per operation (from
 //! `/proc/stat`: everything on it, the database included), and can append a row to
@@ -85,6 +86,10 @@ pub struct E2eBench {
     /// creates for the dispatcher beside it (default true).
     #[arg(long)]
     pub claim_at_ingest: Option<bool>,
+    /// `[kafka.batch] max_wait_ms`: how long an ingest lane waits for its batch to fill
+    /// (default 0: it takes what has arrived).
+    #[arg(long)]
+    pub max_wait_ms: Option<u64>,
     /// Offer the records at this rate (records/s) while the roles run, instead of
     /// publishing them all first.
     #[arg(long)]
@@ -199,6 +204,10 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
             (broker.kafka_config(), Some(broker), String::new())
         }
     };
+    let mut kafka = kafka;
+    if let Some(ms) = opts.max_wait_ms {
+        kafka.batch.max_wait_ms = ms;
+    }
     if opts.rate.is_none() {
         opgate_fleet::client::publish(&kafka, &records).await?;
     }
@@ -222,13 +231,14 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let defaults = opgate_worker::DispatcherConfig::default();
     let per_tool = opts.per_tool.unwrap_or(defaults.per_tool);
     let settings = format!(
-        "{} ops per order{broker_name}{offered}{history}{}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}, claim at ingest {}",
+        "{} ops per order{broker_name}{offered}{history}{}, ingest max_wait_ms {}, record_batch {}, per_tool {}, prefetch {}, concurrency {}, batch {}, claim at ingest {}",
         opts.ops_per_entity,
         if opts.processes.is_some() {
             ", child processes"
         } else {
             ""
         },
+        kafka.batch.max_wait_ms,
         opts.record_batch.unwrap_or(defaults.record_batch),
         per_tool,
         opts.prefetch
@@ -275,11 +285,20 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         }
         Some(n) => Running::Children(spawn_workers(n.max(1), &opts, &url, &kafka, &sim_url)?),
     };
+    // At a fixed rate, when each event id was first handed to the producer.
+    let mut sent_at: HashMap<String, time::OffsetDateTime> = HashMap::new();
     if let Some(rate) = opts.rate {
         // Offer the load once ingest consumes: records published during the consumer
         // group's join would queue up and be measured as a burst, not as the rate.
         warm_up(&kafka, ledger.as_ref()).await?;
-        opgate_fleet::client::publish_at_rate(&kafka, &records, rate).await?;
+        let sent = opgate_fleet::client::publish_at_rate(&kafka, &records, rate).await?;
+        for ((_, value), at) in records.iter().zip(sent) {
+            let event_id = serde_json::from_slice::<serde_json::Value>(value)?["event_id"]
+                .as_str()
+                .context("a benchmark record without an event id")?
+                .to_owned();
+            sent_at.entry(event_id).or_insert_with(|| at.into());
+        }
     }
     let (first_result, last_result) = reader.await??;
     let busy = machine_busy()
@@ -324,6 +343,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     let mut to_dispatch = Vec::with_capacity(keys);
     let mut to_settled = Vec::with_capacity(keys);
     let mut to_effect = Vec::with_capacity(keys);
+    let mut from_publish = Vec::with_capacity(keys);
     let mut dispatched_without_effect = 0usize;
     let mut cursor = None;
     loop {
@@ -342,6 +362,9 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
                 let since = |ms| (on_clock(ms) - op.created_at).as_seconds_f64() * 1000.0;
                 to_dispatch.push(since(received_ms));
                 to_effect.push(since(at_ms));
+                if let Some(&sent) = sent_at.get(&op.event_id) {
+                    from_publish.push((on_clock(received_ms) - sent).as_seconds_f64() * 1000.0);
+                }
             } else if op.first_attempt_at.is_some() {
                 dispatched_without_effect += 1;
             }
@@ -373,6 +396,18 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         percentile(&mut to_effect, 0.50),
         percentile(&mut to_effect, 0.99),
     );
+    // At a fixed rate: from the agent's send (the record handed to the producer) to the
+    // call at the provider, which includes the producer's linger, the broker, the ingest
+    // lane's batching and the ingest transaction before its clock read.
+    let publish_to_dispatch = if from_publish.is_empty() {
+        "-".to_owned()
+    } else {
+        format!(
+            "{:.0} / {:.0}",
+            percentile(&mut from_publish, 0.50),
+            percentile(&mut from_publish, 0.99)
+        )
+    };
     let per_op = |n: i64| n as f64 / keys as f64;
     let processes = opts.processes.unwrap_or(1);
     // Everything on the machine: the roles, PostgreSQL, the embedded broker, the simulated
@@ -396,7 +431,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
          consume->dispatch (call at the provider) p50 {d50:.0} ms p99 {d99:.0} ms; consume->provider effect p50 {e50:.0} ms p99 {e99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
-         transactions/op {tx}, statements/op {statements}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
+         publish->dispatch p50 / p99 {publish_to_dispatch} ms; transactions/op {tx}, statements/op {statements}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
         records.len(),
         opts.partitions,
         elapsed.as_secs_f64(),
@@ -404,7 +439,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {e50:.0} / {e99:.0} | {s50:.0} / {s99:.0} | {tx} | {statements} | {rows} | {cpu} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {e50:.0} / {e99:.0} | {s50:.0} / {s99:.0} | {publish_to_dispatch} | {tx} | {statements} | {rows} | {cpu} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),
@@ -482,8 +517,8 @@ fn spawn_workers(
     std::fs::write(
         &config,
         format!(
-            "{TOOLS}\n[database]\nurl = \"{url}\"\n\n[kafka]\nbrokers = \"{}\"\ntopic_prefix = \"{}\"\ngroup_id = \"{}\"\n[kafka.client]\n{client}\n[worker]\n{worker}",
-            kafka.brokers, kafka.topic_prefix, kafka.group_id
+            "{TOOLS}\n[database]\nurl = \"{url}\"\n\n[kafka]\nbrokers = \"{}\"\ntopic_prefix = \"{}\"\ngroup_id = \"{}\"\n[kafka.batch]\nmax_wait_ms = {}\n[kafka.client]\n{client}\n[worker]\n{worker}",
+            kafka.brokers, kafka.topic_prefix, kafka.group_id, kafka.batch.max_wait_ms
         ),
     )?;
     let exe = std::env::current_exe().context("this binary's path")?;

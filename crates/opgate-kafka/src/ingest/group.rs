@@ -8,7 +8,8 @@
 //! [`SECOND_AFTER`] ([`IN_FLIGHT`] at most). Nothing waits for a group to fill: a
 //! batch that finds the ledger idle goes alone, at once; batches gather only while earlier
 //! groups are being committed, which is when one transaction instead of several pays
-//! (at a steady rate every partition's lane closes a small batch each `max_wait`).
+//! (at a steady rate every partition's lane hands in what has arrived while its
+//! previous batch was stored).
 //!
 //! A failed group is each batch's own to settle: every lane of the group gets no answer
 //! ([`Group::ingest`] returns `None`) and ingests its batch alone, at once, on the lane's

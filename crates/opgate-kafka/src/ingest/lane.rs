@@ -3,8 +3,8 @@
 //! stops another's.
 //!
 //! The consumer loop ([`super::IngestWorker::run`]) hands each record to its partition's
-//! lane over a bounded channel. A lane collects a batch (up to `max_messages` or
-//! `max_wait`), dead-letters and ingests it ([`super::Shared::store_partition_batch`],
+//! lane over a bounded channel. A lane collects a batch (what has arrived, up to
+//! `max_messages`, waiting up to `max_wait` for more), dead-letters and ingests it ([`super::Shared::store_partition_batch`],
 //! retried in place until it is stored), and only then stores and commits the
 //! partition's offset. When a lane's channel is full, the loop parks the partition's
 //! records and pauses the partition at the broker, so memory stays bounded and the other
@@ -139,10 +139,15 @@ async fn run(
             () = cancel.cancelled() => return,
         };
         let Some(first) = first else { return };
+        // The batch takes every record already here, then waits for more only up to
+        // `max_wait` (none by default: under load, records gather in the channel while
+        // the lane's previous batch is stored, and the group commit gathers lanes'
+        // batches while the ledger is busy, so a fixed wait would only add latency).
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + config.max_wait;
         while batch.len() < config.max_messages {
             tokio::select! {
+                biased;
                 r = rx.recv() => match r {
                     Some(r) => batch.push(r),
                     None => break,
