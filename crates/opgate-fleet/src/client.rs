@@ -88,14 +88,7 @@ pub fn wait_for_final_results(
             "group.id",
             format!("bench-reader-{:x}", rand::random::<u64>()),
         )
-        .set("enable.auto.commit", "false")
-        // The reader is the benchmark's clock, not part of what it measures: it asks for
-        // results at most every 50 ms (a fetch waits until 1 MB or 50 ms), so that on the
-        // embedded broker, which walks a partition's message sets from the first on every
-        // fetch that returns data, it does not take the machine's CPU from the roles it
-        // times. The last result is seen at most 50 ms late.
-        .set("fetch.min.bytes", "1048576")
-        .set("fetch.wait.max.ms", "50");
+        .set("enable.auto.commit", "false");
     let consumer: BaseConsumer = client.create()?;
     let metadata = consumer.fetch_metadata(Some(&results), Duration::from_secs(10))?;
     let partitions = metadata.topics()[0].partitions().len() as i32;
