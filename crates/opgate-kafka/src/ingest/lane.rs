@@ -3,8 +3,8 @@
 //! stops another's.
 //!
 //! The consumer loop ([`super::IngestWorker::run`]) hands each record to its partition's
-//! lane over a bounded channel. A lane collects a batch (what has arrived, up to
-//! `max_messages`, waiting up to `max_wait` for more), dead-letters and ingests it ([`super::Shared::store_partition_batch`],
+//! lane over a bounded channel. A lane collects a batch ([`collect`]: what has arrived,
+//! up to `max_messages`, waiting up to `max_wait` for more), dead-letters and ingests it ([`super::Shared::store_partition_batch`],
 //! retried in place until it is stored), and only then stores and commits the
 //! partition's offset. When a lane's channel is full, the loop parks the partition's
 //! records and pauses the partition at the broker, so memory stays bounded and the other
@@ -139,23 +139,17 @@ async fn run(
             () = cancel.cancelled() => return,
         };
         let Some(first) = first else { return };
-        // The batch takes every record already here, then waits for more only up to
-        // `max_wait` (none by default: under load, records gather in the channel while
-        // the lane's previous batch is stored, and the group commit gathers lanes'
-        // batches while the ledger is busy, so a fixed wait would only add latency).
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + config.max_wait;
-        while batch.len() < config.max_messages {
-            tokio::select! {
-                biased;
-                r = rx.recv() => match r {
-                    Some(r) => batch.push(r),
-                    None => break,
-                },
-                () = tokio::time::sleep_until(deadline) => break,
-                () = cancel.cancelled() => return,
-            }
-        }
+        let Some(batch) = collect(
+            first,
+            &mut rx,
+            config.max_messages,
+            config.max_wait,
+            &cancel,
+        )
+        .await
+        else {
+            return;
+        };
         IngestStats::add(&shared.stats.records, batch.len() as u64);
         let last = batch.last().map(|r| r.offset);
         if !shared
@@ -171,6 +165,43 @@ async fn run(
             store_offset(&consumer, &shared.proposals, partition, last);
         }
     }
+}
+
+/// A batch: `first`, every item already in `rx`, and, with a `max_wait` (counted from
+/// now, when `first` was taken), what arrives within it; at most `max` in all. `None` when
+/// cancelled while waiting. Without a wait (the default) it takes what is there and no
+/// more, at once: under load, records gather in the channel while the lane's previous
+/// batch is stored, and the group commit gathers lanes' batches while the ledger is busy,
+/// so a fixed wait would only add latency.
+async fn collect<T>(
+    first: T,
+    rx: &mut mpsc::Receiver<T>,
+    max: usize,
+    max_wait: Duration,
+    cancel: &CancellationToken,
+) -> Option<Vec<T>> {
+    let deadline = tokio::time::Instant::now() + max_wait;
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(item) => batch.push(item),
+            Err(_) => break,
+        }
+    }
+    if max_wait.is_zero() {
+        return Some(batch);
+    }
+    while batch.len() < max {
+        tokio::select! {
+            item = rx.recv() => match item {
+                Some(item) => batch.push(item),
+                None => break,
+            },
+            () = tokio::time::sleep_until(deadline) => break,
+            () = cancel.cancelled() => return None,
+        }
+    }
+    Some(batch)
 }
 
 fn store_offset(consumer: &StreamConsumer<IngestContext>, topic: &str, partition: i32, last: i64) {
@@ -191,5 +222,66 @@ fn store_offset(consumer: &StreamConsumer<IngestContext>, topic: &str, partition
     }
     if let Err(e) = consumer.commit_consumer_state(CommitMode::Async) {
         debug!(error = %e, "committing offsets");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    use super::*;
+
+    /// Without a wait, a batch is what has arrived, taken at once: the first poll of
+    /// [`collect`] completes (no timer, nothing to wait for), and a later item goes into
+    /// the next batch.
+    #[tokio::test]
+    async fn without_a_wait_a_batch_is_what_has_arrived_at_the_first_poll() {
+        let (tx, mut rx) = mpsc::channel(16);
+        for i in 1..=3 {
+            tx.send(i).await.expect("send");
+        }
+        let cancel = CancellationToken::new();
+        let first_poll = |rx: &mut mpsc::Receiver<i32>, first, max| {
+            let mut batch = std::pin::pin!(collect(first, rx, max, Duration::ZERO, &cancel));
+            match batch.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(batch) => batch,
+                Poll::Pending => panic!("a batch without a wait waited"),
+            }
+        };
+        assert_eq!(first_poll(&mut rx, 0, 10), Some(vec![0, 1, 2, 3]));
+        tx.send(4).await.expect("send");
+        tx.send(5).await.expect("send");
+        assert_eq!(first_poll(&mut rx, 9, 2), Some(vec![9, 4]), "at most max");
+        assert_eq!(rx.try_recv().ok(), Some(5));
+    }
+
+    /// With a wait, items arriving within it join the batch; one arriving well after it
+    /// does not; a cancel while waiting gives no batch.
+    #[tokio::test]
+    async fn with_a_wait_a_batch_takes_what_arrives_within_it() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let cancel = CancellationToken::new();
+        let sender = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            tx.send(1).await.expect("send");
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            tx.send(2).await.expect("send");
+        });
+        let batch = collect(0, &mut rx, 10, Duration::from_millis(500), &cancel).await;
+        assert_eq!(batch, Some(vec![0, 1]));
+        sender.await.expect("sender");
+        assert_eq!(
+            rx.try_recv().ok(),
+            Some(2),
+            "the late item waits for the next batch"
+        );
+
+        let (_tx, mut empty) = mpsc::channel::<i32>(1);
+        cancel.cancel();
+        assert_eq!(
+            collect(0, &mut empty, 10, Duration::from_secs(60), &cancel).await,
+            None
+        );
     }
 }
