@@ -58,8 +58,9 @@ pub struct BatchConfig {
     /// Most records per batch (default 500).
     #[serde(default = "default_max_messages")]
     pub max_messages: usize,
-    /// Longest wait for a batch to fill, in milliseconds (default 0: a batch is what has
-    /// arrived when the lane is free; under load, that is many records).
+    /// Longest wait for a batch to fill, in milliseconds (default 1: long enough to take
+    /// the records one fetch delivered, which reach the lane one by one; 0 takes only what
+    /// has arrived; under load, records gather while the lane's previous batch is stored).
     #[serde(default = "default_max_wait_ms")]
     pub max_wait_ms: u64,
     /// `/readyz` turns red once a partition has not been able to store a batch for this
@@ -91,7 +92,7 @@ fn default_max_messages() -> usize {
 }
 
 fn default_max_wait_ms() -> u64 {
-    0
+    1
 }
 
 /// Property names whose values are secrets.

@@ -87,7 +87,7 @@ pub struct E2eBench {
     #[arg(long)]
     pub claim_at_ingest: Option<bool>,
     /// `[kafka.batch] max_wait_ms`: how long an ingest lane waits for its batch to fill
-    /// (default 0: it takes what has arrived).
+    /// (default 1; 0 takes only what has arrived).
     #[arg(long)]
     pub max_wait_ms: Option<u64>,
     /// Offer the records at this rate (records/s) while the roles run, instead of

@@ -169,10 +169,13 @@ async fn run(
 
 /// A batch: `first`, every item already in `rx`, and, with a `max_wait` (counted from
 /// now, when `first` was taken), what arrives within it; at most `max` in all. `None` when
-/// cancelled while waiting. Without a wait (the default) it takes what is there and no
-/// more, at once: under load, records gather in the channel while the lane's previous
-/// batch is stored, and the group commit gathers lanes' batches while the ledger is busy,
-/// so a fixed wait would only add latency.
+/// cancelled while waiting. Without a wait it takes what is there and no more, at once.
+/// The default wait is short (1 ms): the consumer loop hands a fetch's records over one
+/// by one, and a lane that went with the first alone would leave the rest waiting for
+/// its transaction (measured: no better than a 20 ms wait at 1,000 records/s). Under
+/// load, records gather in the channel while the lane's previous batch is stored, and
+/// the group commit gathers lanes' batches while the ledger is busy, so a long wait
+/// would only add latency.
 async fn collect<T>(
     first: T,
     rx: &mut mpsc::Receiver<T>,
