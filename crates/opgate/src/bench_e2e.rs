@@ -321,93 +321,25 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     if effects.duplicates != 0 {
         bail!("{} duplicate effects at the provider", effects.duplicates);
     }
-    // When each key's call reached the provider and when its effect was taken (after the
-    // simulated work), on the wall clock the ledger's timestamps use (one machine): the
-    // first effect under the key.
-    let started = time::OffsetDateTime::from(sim.started_at());
-    let mut effect_at: HashMap<&str, (u64, u64)> = HashMap::with_capacity(effects.log.len());
-    for e in &effects.log {
-        let at = effect_at
-            .entry(e.key.as_str())
-            .or_insert((e.received_ms, e.at_ms));
-        if e.at_ms < at.1 {
-            *at = (e.received_ms, e.at_ms);
-        }
-    }
-    let on_clock = |ms: u64| started + time::Duration::milliseconds(ms as i64);
-
-    // Latencies from consume (the ingest transaction's clock read, `created_at`): to the
-    // dispatch, as the provider received the call (a claim's clock read says nothing
-    // when the claim is the ingest's own: claim at ingest); to its effect; and to settled
-    // (the ledger's last change).
-    let mut to_dispatch = Vec::with_capacity(keys);
-    let mut to_settled = Vec::with_capacity(keys);
-    let mut to_effect = Vec::with_capacity(keys);
-    let mut from_publish = Vec::with_capacity(keys);
-    let mut dispatched_without_effect = 0usize;
-    let mut cursor = None;
-    loop {
-        let page = ledger
-            .list(&opgate_store::ListFilter {
-                namespace: Some("bench".into()),
-                limit: Some(500),
-                cursor: cursor.clone(),
-                ..Default::default()
-            })
-            .await?;
-        for op in &page.operations {
-            to_settled.push((op.updated_at - op.created_at).as_seconds_f64() * 1000.0);
-            let key = opgate_core::key::scoped_key(&op.namespace, &op.idempotency_key);
-            if let Some(&(received_ms, at_ms)) = effect_at.get(key.as_str()) {
-                let since = |ms| (on_clock(ms) - op.created_at).as_seconds_f64() * 1000.0;
-                to_dispatch.push(since(received_ms));
-                to_effect.push(since(at_ms));
-                if let Some(&sent) = sent_at.get(&op.event_id) {
-                    from_publish.push((on_clock(received_ms) - sent).as_seconds_f64() * 1000.0);
-                }
-            } else if op.first_attempt_at.is_some() {
-                dispatched_without_effect += 1;
-            }
-        }
-        match page.next_cursor {
-            Some(next) => cursor = Some(next),
-            None => break,
-        }
-    }
+    let latencies = Latencies::read(
+        ledger.as_ref(),
+        &effects,
+        sim.started_at().into(),
+        &sent_at,
+        keys,
+    )
+    .await?;
     drop(broker);
 
     let rate = keys as f64 / elapsed.as_secs_f64();
     let steady = keys as f64 / (elapsed - joined).as_secs_f64().max(1e-9);
-    let (d50, d99) = (
-        percentile(&mut to_dispatch, 0.50),
-        percentile(&mut to_dispatch, 0.99),
-    );
-    let (s50, s99) = (
-        percentile(&mut to_settled, 0.50),
-        percentile(&mut to_settled, 0.99),
-    );
-    if dispatched_without_effect != 0 {
-        bail!(
-            "{dispatched_without_effect} of {} dispatched operations have no effect at the provider under their key",
-            dispatched_without_effect + to_effect.len()
-        );
-    }
-    let (e50, e99) = (
-        percentile(&mut to_effect, 0.50),
-        percentile(&mut to_effect, 0.99),
-    );
-    // At a fixed rate: from the agent's send (the record handed to the producer) to the
-    // call at the provider, which includes the producer's linger, the broker, the ingest
-    // lane's batching and the ingest transaction before its clock read.
-    let publish_to_dispatch = if from_publish.is_empty() {
-        "-".to_owned()
-    } else {
-        format!(
-            "{:.0} / {:.0}",
-            percentile(&mut from_publish, 0.50),
-            percentile(&mut from_publish, 0.99)
-        )
-    };
+    let [to_dispatch, to_effect, to_settled, publish_to_dispatch] = [
+        latencies.to_dispatch,
+        latencies.to_effect,
+        latencies.to_settled,
+        latencies.from_publish,
+    ]
+    .map(p50_p99);
     let per_op = |n: i64| n as f64 / keys as f64;
     let processes = opts.processes.unwrap_or(1);
     // Everything on the machine: the roles, PostgreSQL, the embedded broker, the simulated
@@ -430,7 +362,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
     println!(
         "e2e: {keys} operations ({} records) on {} partitions, {backend}, {processes} process(es) ({settings}): {:.2} s to the last result, \
          {rate:.0} operations/s; after the first result ({:.2} s): {steady:.0} operations/s; \
-         consume->dispatch (call at the provider) p50 {d50:.0} ms p99 {d99:.0} ms; consume->provider effect p50 {e50:.0} ms p99 {e99:.0} ms; consume->settled p50 {s50:.0} ms p99 {s99:.0} ms; \
+         consume->dispatch (call at the provider) p50 / p99 {to_dispatch} ms; consume->provider effect p50 / p99 {to_effect} ms; consume->settled p50 / p99 {to_settled} ms; \
          publish->dispatch p50 / p99 {publish_to_dispatch} ms; transactions/op {tx}, statements/op {statements}, row writes/op {rows}; machine CPU {cpu} ms/op; {} effects, 0 duplicates",
         records.len(),
         opts.partitions,
@@ -439,7 +371,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         effects.total,
     );
     let line = format!(
-        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {d50:.0} / {d99:.0} | {e50:.0} / {e99:.0} | {s50:.0} / {s99:.0} | {publish_to_dispatch} | {tx} | {statements} | {rows} | {cpu} |",
+        "| {} | {keys} | {} | {backend} | {processes} | {settings} | {:.2} s | {rate:.0} | {:.2} s | **{steady:.0}** | {to_dispatch} | {to_effect} | {to_settled} | {publish_to_dispatch} | {tx} | {statements} | {rows} | {cpu} |",
         today(),
         records.len(),
         elapsed.as_secs_f64(),
@@ -449,6 +381,101 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         append_row(&path, &line)?;
     }
     Ok(())
+}
+
+/// Each operation's latencies in milliseconds. From consume (the ingest transaction's
+/// clock read, `created_at`): to the dispatch, as the provider received the call (a
+/// claim's clock read says nothing when the claim is the ingest's own: claim at ingest);
+/// to its effect there; to settled (the ledger's last change). And at a fixed rate, from
+/// the agent's send (the record handed to the producer) to the call at the provider,
+/// which includes the producer's linger, the broker, the ingest lane's batching and the
+/// wait before the ingest's clock read.
+struct Latencies {
+    to_dispatch: Vec<f64>,
+    to_effect: Vec<f64>,
+    to_settled: Vec<f64>,
+    from_publish: Vec<f64>,
+}
+
+impl Latencies {
+    /// Reads every operation of namespace `bench` from the ledger and matches it to the
+    /// provider's first effect under its key (received and taken, on the provider's clock
+    /// from `provider_started`: one machine, one wall clock) and to its event's send
+    /// time. A dispatched operation without an effect under its key is an error.
+    async fn read(
+        ledger: &dyn opgate_store::Ledger,
+        effects: &opgate_sim::EffectsReport,
+        provider_started: time::OffsetDateTime,
+        sent_at: &HashMap<String, time::OffsetDateTime>,
+        keys: usize,
+    ) -> anyhow::Result<Self> {
+        let mut effect_at: HashMap<&str, (u64, u64)> = HashMap::with_capacity(effects.log.len());
+        for e in &effects.log {
+            let at = effect_at
+                .entry(e.key.as_str())
+                .or_insert((e.received_ms, e.at_ms));
+            if e.at_ms < at.1 {
+                *at = (e.received_ms, e.at_ms);
+            }
+        }
+        let on_clock = |ms: u64| provider_started + time::Duration::milliseconds(ms as i64);
+        let ms = |d: time::Duration| d.as_seconds_f64() * 1000.0;
+        let mut this = Self {
+            to_dispatch: Vec::with_capacity(keys),
+            to_effect: Vec::with_capacity(keys),
+            to_settled: Vec::with_capacity(keys),
+            from_publish: Vec::with_capacity(keys),
+        };
+        let mut dispatched_without_effect = 0usize;
+        let mut cursor = None;
+        loop {
+            let page = ledger
+                .list(&opgate_store::ListFilter {
+                    namespace: Some("bench".into()),
+                    limit: Some(500),
+                    cursor: cursor.clone(),
+                    ..Default::default()
+                })
+                .await?;
+            for op in &page.operations {
+                this.to_settled.push(ms(op.updated_at - op.created_at));
+                let key = opgate_core::key::scoped_key(&op.namespace, &op.idempotency_key);
+                if let Some(&(received_ms, at_ms)) = effect_at.get(key.as_str()) {
+                    this.to_dispatch
+                        .push(ms(on_clock(received_ms) - op.created_at));
+                    this.to_effect.push(ms(on_clock(at_ms) - op.created_at));
+                    if let Some(&sent) = sent_at.get(&op.event_id) {
+                        this.from_publish.push(ms(on_clock(received_ms) - sent));
+                    }
+                } else if op.first_attempt_at.is_some() {
+                    dispatched_without_effect += 1;
+                }
+            }
+            match page.next_cursor {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        if dispatched_without_effect != 0 {
+            bail!(
+                "{dispatched_without_effect} of {} dispatched operations have no effect at the provider under their key",
+                dispatched_without_effect + this.to_effect.len()
+            );
+        }
+        Ok(this)
+    }
+}
+
+/// "p50 / p99" in whole milliseconds, or "-" when there is nothing to measure.
+fn p50_p99(mut values: Vec<f64>) -> String {
+    if values.is_empty() {
+        return "-".to_owned();
+    }
+    format!(
+        "{:.0} / {:.0}",
+        percentile(&mut values, 0.50),
+        percentile(&mut values, 0.99)
+    )
 }
 
 /// Publishes one proposal in namespace `bench-warm-up` and waits until it is in the
