@@ -273,17 +273,6 @@ struct ToolSlots {
 }
 
 impl ToolSlots {
-    /// How many of its permits are free and not wanted by a claim already made or an
-    /// ingest's: what a claim at ingest may take, so that what an ingest claims never
-    /// waits for a permit, nor goes ahead of operations claimed before it.
-    fn free_now(&self) -> usize {
-        let taken = self
-            .waiting
-            .load(Ordering::Acquire)
-            .saturating_add(self.promised.load(Ordering::Acquire));
-        self.permits.available_permits().saturating_sub(taken)
-    }
-
     /// How many operations of this tool a claim may take now: its free permits and its
     /// free places ahead of them, less the room promised to ingest transactions.
     fn room(&self, config: &DispatcherConfig, claim_time: Duration) -> usize {
@@ -762,13 +751,14 @@ impl Dispatcher {
 }
 
 /// Claim at ingest ([`opgate_store::handoff`]): offered only while the dispatcher's own
-/// claims find no backlog (`caught_up`). The room offered is each tool's free permits
-/// that no claimed operation waits for ([`ToolSlots::free_now`]: no places ahead, so
-/// what an ingest claims goes ahead of nothing), at most as many as the batch holds, of
-/// all at most `batch` and the free overall permits. The tools' room is promised to the
-/// ingest until its claims come back (counted against the room of every other claim and
-/// offer); a claim that then finds no free permit (taken meanwhile) waits for one as a
-/// claim taken ahead does.
+/// claims find no backlog (`caught_up`), so what an ingest claims is the newest work and
+/// goes ahead of no older operation. The room offered is what a claim of the dispatcher's
+/// own could take now ([`ToolSlots::room`]: free permits and free places ahead of them),
+/// at most as many as the batch holds, of all at most `batch` and the free overall
+/// permits. The tools' room is promised to the ingest until its claims come back
+/// (counted against the room of every other claim and offer); a handed claim that finds
+/// no free permit waits for one behind those claimed before it, as a claim taken ahead
+/// does (the permits are handed out in order).
 impl Handoff for Dispatcher {
     fn offer(&self, wanted: &BTreeMap<String, usize>) -> Option<Offer> {
         let inner = &self.inner;
@@ -779,12 +769,16 @@ impl Handoff for Dispatcher {
         let total = wanted
             .values()
             .fold(0usize, |sum, n| sum.saturating_add(*n));
+        let claim_time = inner.claim_time.get();
         let tool_room: BTreeMap<String, usize> = inner
             .per_tool
             .iter()
             .map(|(tool, slots)| {
                 let want = wanted.get(tool).copied().unwrap_or(0);
-                (tool.clone(), slots.free_now().min(want))
+                (
+                    tool.clone(),
+                    slots.room(&inner.config, claim_time).min(want),
+                )
             })
             .collect();
         // Within the calls in flight overall too, so a claim handed back finds its permit.

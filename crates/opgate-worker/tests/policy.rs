@@ -444,24 +444,27 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
     let w = world_with(3, 3).await;
     let cancel = tokio_util::sync::CancellationToken::new();
     let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
-    // Three permits free: room for as many as the batch holds, two.
+    // Three permits free and three places ahead (`prefetch`): room for six, of which
+    // the batch holds two.
     let first = first_offer(&w, 2).await;
     assert_eq!(first.request.limit, 2);
     assert_eq!(first.request.tool_room.get("charge"), Some(&2));
     assert_eq!(first.request.owner, "d1");
-    // While it is out, another offer gets only what is left: no places ahead, only
-    // permits (what an ingest claims must go ahead of nothing already claimed).
-    let second = w.dispatcher.offer(&wanted(3)).expect("one permit left");
-    assert_eq!(second.request.tool_room.get("charge"), Some(&1));
+    // While it is out, another offer gets only what is left.
+    let second = w.dispatcher.offer(&wanted(3)).expect("four left");
+    assert_eq!(second.request.tool_room.get("charge"), Some(&3));
+    let third = w.dispatcher.offer(&wanted(3)).expect("one left");
+    assert_eq!(third.request.tool_room.get("charge"), Some(&1));
     assert!(
         w.dispatcher.offer(&wanted(3)).is_none(),
-        "every permit is promised"
+        "all the room is promised"
     );
     // A failed ingest drops its offer: the room comes back.
     drop(second);
-    let again = w.dispatcher.offer(&wanted(1)).expect("given back");
-    assert_eq!(again.request.tool_room.get("charge"), Some(&1));
+    let again = w.dispatcher.offer(&wanted(5)).expect("given back");
+    assert_eq!(again.request.tool_room.get("charge"), Some(&3));
     drop(again);
+    drop(third);
 
     let batch: Vec<IngestItem> = (1..=2).map(|n| charge(&w, &format!("h{n}"), n)).collect();
     let (outcomes, claims) = w
@@ -485,10 +488,38 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
         w.provider.max_in_flight() <= 2,
         "per_tool holds for handed claims"
     );
-    // Handed back and settled: every permit is offered again.
+    // Handed back and settled: every permit and place is offered again.
     let whole = w.dispatcher.offer(&wanted(9)).expect("room");
-    assert_eq!(whole.request.tool_room.get("charge"), Some(&3));
-    drop(whole);
+    assert_eq!(whole.request.tool_room.get("charge"), Some(&6));
+    // An ingest claims more than the free permits: the ones beyond them wait for a
+    // permit, as a claim taken ahead does; per_tool holds and each is sent once.
+    w.provider.script((0..5).map(|_| Step {
+        delay: Duration::from_millis(100),
+        ..Step::ok()
+    }));
+    let batch: Vec<IngestItem> = (3..=7).map(|n| charge(&w, &format!("h{n}"), n)).collect();
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(&batch, Duration::from_secs(1), &whole.request)
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 5);
+    whole.take(claims);
+    let ids: Vec<Uuid> = outcomes
+        .iter()
+        .map(|o| o.operation.as_ref().expect("op").operation_id)
+        .collect();
+    until_completed(&w, &ids).await;
+    for id in &ids {
+        let op = w.op(*id).await;
+        assert_eq!(w.provider.effects(&w.key(&op)), 1);
+        assert_eq!(op.attempt_count, 1, "claimed once, at ingest");
+    }
+    assert_eq!(
+        w.provider.max_in_flight(),
+        3,
+        "per_tool holds for claims handed beyond the free permits, and they fill it"
+    );
     cancel.cancel();
     running.await.expect("dispatcher");
 }
