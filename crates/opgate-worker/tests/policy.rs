@@ -435,6 +435,34 @@ async fn until_completed(w: &World, ids: &[Uuid]) {
     }
 }
 
+/// Ingests one charge for each of `amounts` with a claim under `offer`, hands the claims
+/// back (each is claimed), and waits until every one completed with one effect at the
+/// provider and one attempt.
+async fn ingest_claim_and_settle(
+    w: &World,
+    amounts: std::ops::RangeInclusive<u64>,
+    offer: opgate_store::Offer,
+) {
+    let batch: Vec<IngestItem> = amounts.map(|n| charge(w, &format!("h{n}"), n)).collect();
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(&batch, Duration::from_secs(1), &offer.request)
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), batch.len(), "each one claimed at ingest");
+    offer.take(claims);
+    let ids: Vec<Uuid> = outcomes
+        .iter()
+        .map(|o| o.operation.as_ref().expect("op").operation_id)
+        .collect();
+    until_completed(w, &ids).await;
+    for id in &ids {
+        let op = w.op(*id).await;
+        assert_eq!(w.provider.effects(&w.key(&op)), 1);
+        assert_eq!(op.attempt_count, 1, "claimed once, at ingest");
+    }
+}
+
 /// Claim at ingest: the room a dispatcher offers is what a claim of its own could take
 /// (free permits and places ahead, at most what the batch holds), promised to the offer
 /// until it is taken or dropped, so two offers never promise the same room. The claims
@@ -466,24 +494,7 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
     drop(again);
     drop(third);
 
-    let batch: Vec<IngestItem> = (1..=2).map(|n| charge(&w, &format!("h{n}"), n)).collect();
-    let (outcomes, claims) = w
-        .ledger
-        .ingest_and_claim(&batch, Duration::from_secs(1), &first.request)
-        .await
-        .expect("ingest and claim");
-    assert_eq!(claims.len(), 2);
-    first.take(claims);
-    let ids: Vec<Uuid> = outcomes
-        .iter()
-        .map(|o| o.operation.as_ref().expect("op").operation_id)
-        .collect();
-    until_completed(&w, &ids).await;
-    for id in &ids {
-        let op = w.op(*id).await;
-        assert_eq!(w.provider.effects(&w.key(&op)), 1);
-        assert_eq!(op.attempt_count, 1, "claimed once, at ingest");
-    }
+    ingest_claim_and_settle(&w, 1..=2, first).await;
     assert!(
         w.provider.max_in_flight() <= 2,
         "per_tool holds for handed claims"
@@ -497,24 +508,7 @@ async fn room_offered_to_an_ingest_is_promised_once_and_its_claims_are_sent_once
         delay: Duration::from_millis(100),
         ..Step::ok()
     }));
-    let batch: Vec<IngestItem> = (3..=7).map(|n| charge(&w, &format!("h{n}"), n)).collect();
-    let (outcomes, claims) = w
-        .ledger
-        .ingest_and_claim(&batch, Duration::from_secs(1), &whole.request)
-        .await
-        .expect("ingest and claim");
-    assert_eq!(claims.len(), 5);
-    whole.take(claims);
-    let ids: Vec<Uuid> = outcomes
-        .iter()
-        .map(|o| o.operation.as_ref().expect("op").operation_id)
-        .collect();
-    until_completed(&w, &ids).await;
-    for id in &ids {
-        let op = w.op(*id).await;
-        assert_eq!(w.provider.effects(&w.key(&op)), 1);
-        assert_eq!(op.attempt_count, 1, "claimed once, at ingest");
-    }
+    ingest_claim_and_settle(&w, 3..=7, whole).await;
     assert_eq!(
         w.provider.max_in_flight(),
         3,
