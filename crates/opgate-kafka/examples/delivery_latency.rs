@@ -63,7 +63,13 @@ async fn main() {
     }
     let reader = std::thread::spawn(move || {
         let mut latencies = Vec::with_capacity(records);
+        // A broker that loses records must not hang the probe: it says how many came.
+        let deadline = Instant::now() + Duration::from_secs_f64(records as f64 / rate + 60.0);
         while latencies.len() < records {
+            if Instant::now() > deadline {
+                eprintln!("only {} of {records} records arrived", latencies.len());
+                std::process::exit(1);
+            }
             if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
                 let sent: u128 = std::str::from_utf8(m.payload().unwrap_or_default())
                     .ok()

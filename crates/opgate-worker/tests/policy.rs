@@ -336,14 +336,7 @@ async fn claims_are_sized_by_the_tools_free_permits() {
 /// unsent, claimed again, and sent once: one effect each, never two calls at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_prefetched_claim_whose_lease_ran_out_while_waiting_is_given_back_unsent() {
-    let w = world_with(1, 1).await;
-    w.provider.script([
-        Step {
-            delay: Duration::from_millis(1900),
-            ..Step::ok()
-        },
-        Step::ok(),
-    ]);
+    let w = first_call_holds_most_of_the_lease().await;
     let first = w.propose("p1", 1).await;
     let second = w.propose("p2", 2).await;
     let cancel = tokio_util::sync::CancellationToken::new();
@@ -357,6 +350,28 @@ async fn a_prefetched_claim_whose_lease_ran_out_while_waiting_is_given_back_unse
     }
     cancel.cancel();
     running.await.expect("dispatcher");
+    given_back_unsent_then_sent_once(&w, first, second).await;
+}
+
+/// One permit and one place ahead (`per_tool = 1`, `prefetch = 1`), a 2 s lease, and a
+/// provider whose first call takes 1.9 s: whatever waits for that permit has less than
+/// one tool timeout of lease left when it gets it.
+async fn first_call_holds_most_of_the_lease() -> World {
+    let w = world_with(1, 1).await;
+    w.provider.script([
+        Step {
+            delay: Duration::from_millis(1900),
+            ..Step::ok()
+        },
+        Step::ok(),
+    ]);
+    w
+}
+
+/// After a lease ran out while `second` waited for the permit `first`'s call held:
+/// `second` was given back unsent once (no lease left to send), then sent; one call per
+/// operation, never two at once, one effect each.
+async fn given_back_unsent_then_sent_once(w: &World, first: Uuid, second: Uuid) {
     let attempts = w.ledger.attempts(second).await.expect("attempts");
     let outcomes: Vec<Option<&str>> = attempts
         .iter()
@@ -380,6 +395,39 @@ async fn a_prefetched_claim_whose_lease_ran_out_while_waiting_is_given_back_unse
         let op = w.op(id).await;
         assert_eq!(w.provider.effects(&w.key(&op)), 1);
     }
+}
+
+/// The same lease running out, for operations claimed at ingest: with `per_tool = 1` and
+/// one place ahead, an offer has room for two; the ingest claims both, the first call
+/// holds the permit for 1.9 s of the 2 s lease, and the second, waiting for it, is given
+/// back unsent, claimed again by the dispatcher and sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_made_at_ingest_whose_lease_ran_out_while_waiting_is_given_back_unsent() {
+    let w = first_call_holds_most_of_the_lease().await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(w.dispatcher.clone().run(cancel.clone()));
+    let offer = first_offer(&w, 2).await;
+    assert_eq!(
+        offer.request.tool_room.get("charge"),
+        Some(&2),
+        "a permit and a place"
+    );
+    let batch = vec![charge(&w, "l1", 1), charge(&w, "l2", 2)];
+    let (outcomes, claims) = w
+        .ledger
+        .ingest_and_claim(&batch, Duration::from_secs(1), &offer.request)
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 2);
+    offer.take(claims);
+    let ids: Vec<Uuid> = outcomes
+        .iter()
+        .map(|o| o.operation.as_ref().expect("op").operation_id)
+        .collect();
+    until_completed(&w, &ids).await;
+    cancel.cancel();
+    running.await.expect("dispatcher");
+    given_back_unsent_then_sent_once(&w, ids[0], ids[1]).await;
 }
 
 async fn futures_ids(w: &World, n: u64) -> Vec<Uuid> {

@@ -189,7 +189,7 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
             spec.partitions = opts.partitions;
         }
     }
-    let (kafka, broker, broker_name) = match &opts.brokers {
+    let (mut kafka, broker, broker_name) = match &opts.brokers {
         Some(brokers) => {
             let mut kafka = opgate_kafka::KafkaConfig::new(brokers.clone());
             let run = format!("bench-{:08x}", rand::random::<u32>());
@@ -204,7 +204,6 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
             (broker.kafka_config(), Some(broker), String::new())
         }
     };
-    let mut kafka = kafka;
     if let Some(ms) = opts.max_wait_ms {
         kafka.batch.max_wait_ms = ms;
     }
