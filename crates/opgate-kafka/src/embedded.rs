@@ -26,6 +26,7 @@ enum Command {
     ClearRequestErrors(RDKafkaApiKey, Reply),
     CreateTopic(String, i32, Reply),
     TopicError(String, RDKafkaRespErr, Reply),
+    GroupJoinDelay(i32, Reply),
 }
 
 /// How long the embedded broker holds a new consumer group's first join for more members
@@ -33,8 +34,22 @@ enum Command {
 /// 3,000 ms, Apache Kafka's default: every process that subscribes to an empty group
 /// waited three seconds before its first record (`bench e2e`: 3.4 s to the first result,
 /// a fifth of a 20,000-operation run). Development brokers are set to 0 for this reason;
-/// a short hold still lets processes started together join in one rebalance.
+/// a short hold still lets processes started together join in one rebalance
+/// ([`EmbeddedBroker::set_group_join_delay`] sets a longer one).
 const GROUP_JOIN_DELAY_MS: i32 = 200;
+
+/// The consumers' `session.timeout.ms` on the embedded broker: Apache Kafka's floor
+/// (`group.min.session.timeout.ms`), not librdkafka's default of 45 s. The mock cluster
+/// ends a rebalance started by a member joining a group that already consumes only when
+/// its timer fires, one second short of the session timeout, even when every member has
+/// rejoined at once (Apache Kafka ends it then): the whole group consumes nothing until
+/// then. With the default that was 44 s (`examples/group_join.rs`; the two-process
+/// `bench e2e` runs at ~400 operations/s on 2026-12-02 and 2026-12-07 were such joins);
+/// with this, 5 s.
+const SESSION_TIMEOUT_MS: &str = "6000";
+
+/// A sixth of [`SESSION_TIMEOUT_MS`], as librdkafka's defaults have it (3 s of 45 s).
+const HEARTBEAT_INTERVAL_MS: &str = "1000";
 
 /// Sets the mock cluster's `group.initial.rebalance.delay.ms`, which the Rust binding does
 /// not expose (librdkafka's `rd_kafka_mock_group_initial_rebalance_delay_ms`).
@@ -121,6 +136,10 @@ impl EmbeddedBroker {
                         Command::TopicError(name, error, reply) => {
                             drop(reply.send(cluster.topic_error(&name, error)));
                         }
+                        Command::GroupJoinDelay(ms, reply) => {
+                            set_group_join_delay(owner.client(), ms);
+                            drop(reply.send(Ok(())));
+                        }
                     }
                 }
             })
@@ -141,8 +160,9 @@ impl EmbeddedBroker {
         &self.bootstrap
     }
 
-    /// A client configuration for this broker. Consumers ask for records with
-    /// `fetch.wait.max.ms = 10`: with librdkafka's default (500 ms) records published to
+    /// A client configuration for this broker. Consumer group members keep a short
+    /// session ([`SESSION_TIMEOUT_MS`]): a member that joins late stops the group that long
+    /// on this broker. Consumers ask for records with `fetch.wait.max.ms = 10`: with librdkafka's default (500 ms) records published to
     /// the mock cluster reached the ingest worker in bursts about every half second
     /// (`bench e2e --rate 500 --ops-per-entity 1`: consume -> dispatch p50 201 ms; 11 ms
     /// with this setting). A Kafka broker answers a waiting fetch as soon as data arrives,
@@ -152,6 +172,12 @@ impl EmbeddedBroker {
         config
             .client
             .insert("fetch.wait.max.ms".into(), "10".into());
+        config
+            .client
+            .insert("session.timeout.ms".into(), SESSION_TIMEOUT_MS.into());
+        config
+            .client
+            .insert("heartbeat.interval.ms".into(), HEARTBEAT_INTERVAL_MS.into());
         config
     }
 
@@ -199,6 +225,15 @@ impl EmbeddedBroker {
         self.send(|r| Command::TopicError(name, error, r))
     }
 
+    /// How long a new consumer group's first join waits for more members
+    /// ([`GROUP_JOIN_DELAY_MS`] unless set here): processes that start together and join
+    /// within it share one rebalance; one that joins after it stops the group for most
+    /// of a session timeout ([`SESSION_TIMEOUT_MS`]).
+    pub fn set_group_join_delay(&self, delay: std::time::Duration) -> Result<()> {
+        let ms = i32::try_from(delay.as_millis()).unwrap_or(i32::MAX);
+        self.send(|r| Command::GroupJoinDelay(ms, r))
+    }
+
     /// Creates another topic.
     pub fn create_topic(&self, name: &str, partitions: i32) -> Result<()> {
         let name = name.to_owned();
@@ -211,6 +246,53 @@ impl Drop for EmbeddedBroker {
         self.commands.take();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+
+    use super::*;
+
+    /// A member that joins a group already consuming gets its partitions within the
+    /// session timeout the embedded configuration sets, not librdkafka's 45 s (the mock
+    /// cluster holds such a rebalance until its timer fires: `examples/group_join.rs`).
+    #[test]
+    fn a_member_joining_late_waits_seconds_not_most_of_a_minute() {
+        let specs = crate::topics::builtin_specs().expect("topic specs");
+        let broker = EmbeddedBroker::start(1, "", &specs).expect("embedded broker");
+        let kafka = broker.kafka_config();
+        let topic = kafka.topic(crate::config::PROPOSALS);
+        let member = || -> BaseConsumer {
+            let mut config = kafka.client_config().expect("client config");
+            config.set("group.id", "late-join");
+            let consumer: BaseConsumer = config.create().expect("consumer");
+            consumer.subscribe(&[&topic]).expect("subscribe");
+            consumer
+        };
+        let assigned = |c: &BaseConsumer| c.assignment().map(|a| a.count()).unwrap_or(0) > 0;
+        let first = member();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !assigned(&first) {
+            assert!(
+                Instant::now() < deadline,
+                "the first member got no partitions"
+            );
+            first.poll(Duration::from_millis(10));
+        }
+        let late = member();
+        let joined = Instant::now();
+        while !(assigned(&late) && assigned(&first)) {
+            assert!(
+                joined.elapsed() < Duration::from_secs(15),
+                "the group was still rebalancing after 15 s"
+            );
+            first.poll(Duration::from_millis(5));
+            late.poll(Duration::from_millis(5));
         }
     }
 }
