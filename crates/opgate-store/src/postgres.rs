@@ -1,6 +1,6 @@
 //! The PostgreSQL ledger: row locks, `FOR UPDATE SKIP LOCKED`, the database clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
@@ -359,8 +359,7 @@ impl PgTx {
             }
             taken.push(out);
         }
-        let keep: std::collections::HashSet<i64> =
-            in_order_prefix(&candidates, &pending).into_iter().collect();
+        let keep: HashSet<i64> = in_order_prefix(&candidates, &pending).into_iter().collect();
         taken.retain(|row| keep.contains(&row.id));
         Ok(taken)
     }
@@ -1230,7 +1229,7 @@ impl Tx for PgTx {
         .bind(at)
         .fetch_all(&mut *self.0)
         .await?;
-        let mut inserted: std::collections::HashSet<String> = ids.into_iter().collect();
+        let mut inserted: HashSet<String> = ids.into_iter().collect();
         // The first row of a repeated event id is the one that inserted it.
         Ok(rows.iter().map(|row| inserted.remove(row.key)).collect())
     }
@@ -1245,7 +1244,7 @@ impl Tx for PgTx {
             .await?
             .iter()
             .map(|row| row.try_get(0))
-            .collect::<std::result::Result<std::collections::HashSet<Uuid>, _>>()?;
+            .collect::<std::result::Result<HashSet<Uuid>, _>>()?;
         Ok(ops
             .iter()
             .map(|op| inserted.contains(&op.operation_id))
@@ -1345,7 +1344,7 @@ impl Tx for PgTx {
     /// operation has two queue rows or an attempt might be inserted and ended at once:
     /// then in turn, as each part must see the one before.
     async fn write_rows(&mut self, rows: &Rows<'_>, at: OffsetDateTime) -> Result<()> {
-        let mut ids = std::collections::HashSet::with_capacity(rows.queue.len());
+        let mut ids = HashSet::with_capacity(rows.queue.len());
         let twice = !rows
             .queue
             .iter()
@@ -1426,31 +1425,37 @@ impl Tx for PgTx {
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
-        among: Option<&[Uuid]>,
     ) -> Result<Vec<(Uuid, String)>> {
         // Runs with sorting (and sequential scans) off: `Ledger::claim` sets
         // `Planner::Claim`, applied with the transaction's clock read, which the claim
-        // flow takes before this. Among an ingest's new operations, the primary key finds
-        // the few rows (and the ingest's planner sorts them).
-        let among_sql = if among.is_some() {
-            "AND q.operation_id = ANY($4)"
-        } else {
-            ""
-        };
-        let sql = format!(
+        // flow takes before this.
+        Ok(sqlx::query_as(&format!(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
-             WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) {among_sql} \
+             WHERE q.state = 'waiting' AND q.ready_at <= $1 AND NOT (q.tool = ANY($3)) \
                AND {HEAD_OF_LINE} \
              ORDER BY q.ready_at, q.seq LIMIT $2 FOR UPDATE OF q SKIP LOCKED"
-        );
-        let mut query = sqlx::query_as(&sql)
-            .bind(now)
-            .bind(limit as i64)
-            .bind(skip_tools);
-        if let Some(ids) = among {
-            query = query.bind(ids);
+        ))
+        .bind(now)
+        .bind(limit as i64)
+        .bind(skip_tools)
+        .fetch_all(&mut *self.0)
+        .await?)
+    }
+
+    async fn busy_entities(&mut self, entity_keys: &[&str]) -> Result<HashSet<String>> {
+        if entity_keys.is_empty() {
+            return Ok(HashSet::new());
         }
-        Ok(query.fetch_all(&mut *self.0).await?)
+        // The per-entity index (`dispatch_queue_entity`) holds exactly these rows.
+        let busy: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT entity_key FROM dispatch_queue \
+             WHERE entity_key = ANY($1) AND state IN ('waiting', 'inflight', 'held') \
+               AND NOT is_read",
+        )
+        .bind(entity_keys)
+        .fetch_all(&mut *self.0)
+        .await?;
+        Ok(busy.into_iter().collect())
     }
 
     async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {

@@ -573,17 +573,11 @@ impl Tx for SqliteTx {
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
-        among: Option<&[Uuid]>,
     ) -> Result<Vec<(Uuid, String)>> {
-        let among_sql = if among.is_some() {
-            "AND q.operation_id IN (SELECT value FROM json_each($4))"
-        } else {
-            ""
-        };
-        let sql = format!(
+        let rows: Vec<(String, String)> = sqlx::query_as(
             "SELECT q.operation_id, q.tool FROM dispatch_queue q \
              WHERE q.state = 'waiting' AND q.ready_at <= $1 \
-               AND q.tool NOT IN (SELECT value FROM json_each($3)) {among_sql} \
+               AND q.tool NOT IN (SELECT value FROM json_each($3)) \
                AND (q.is_read = 1 OR NOT EXISTS ( \
                    SELECT 1 FROM dispatch_queue p \
                    WHERE p.entity_key = q.entity_key AND p.is_read = 0 \
@@ -591,20 +585,34 @@ impl Tx for SqliteTx {
                      AND (q.compensates IS NULL OR p.operation_id <> q.compensates) \
                      AND (p.state IN ('inflight', 'held') \
                           OR (p.state = 'waiting' AND p.seq < q.seq AND q.compensates IS NULL)))) \
-             ORDER BY q.ready_at, q.seq LIMIT $2"
-        );
-        let mut query = sqlx::query_as(&sql)
-            .bind(ts(now))
-            .bind(limit as i64)
-            .bind(serde_json::to_string(skip_tools).unwrap_or_else(|_| "[]".into()));
-        if let Some(ids) = among {
-            let ids: Vec<String> = ids.iter().map(Uuid::to_string).collect();
-            query = query.bind(serde_json::to_string(&ids).unwrap_or_else(|_| "[]".into()));
-        }
-        let rows: Vec<(String, String)> = query.fetch_all(&mut *self.0).await?;
+             ORDER BY q.ready_at, q.seq LIMIT $2",
+        )
+        .bind(ts(now))
+        .bind(limit as i64)
+        .bind(serde_json::to_string(skip_tools).unwrap_or_else(|_| "[]".into()))
+        .fetch_all(&mut *self.0)
+        .await?;
         rows.into_iter()
             .map(|(id, tool)| Ok((parse_uuid(&id)?, tool)))
             .collect()
+    }
+
+    async fn busy_entities(
+        &mut self,
+        entity_keys: &[&str],
+    ) -> Result<std::collections::HashSet<String>> {
+        if entity_keys.is_empty() {
+            return Ok(std::collections::HashSet::new());
+        }
+        let busy: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT entity_key FROM dispatch_queue \
+             WHERE entity_key IN (SELECT value FROM json_each($1)) \
+               AND state IN ('waiting', 'inflight', 'held') AND is_read = 0",
+        )
+        .bind(serde_json::to_string(entity_keys).unwrap_or_else(|_| "[]".into()))
+        .fetch_all(&mut *self.0)
+        .await?;
+        Ok(busy.into_iter().collect())
     }
 
     async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {

@@ -3,55 +3,20 @@
 
 use super::*;
 
-/// Claims work for a dispatcher (see [`crate::Ledger::claim`]).
+/// Claims work for a dispatcher (see [`crate::Ledger::claim`]): up to `request.limit`
+/// claimable operations, of each tool at most its room: the operation, its attempt row,
+/// the history event, the queue row and the `dispatched` result, each kind of row written
+/// once for the batch.
 pub(crate) async fn claim<T: Tx>(tx: &mut T, request: &ClaimRequest) -> Result<Vec<Claim>> {
     let now = tx.now().await?;
-    lease(tx, request, now, None).await
-}
-
-/// Claims for a dispatcher, in the ingest transaction that created them, those of
-/// `created` that are ready and head of line on their entity (see
-/// [`crate::Ledger::ingest_and_claim`]). `now` is the ingest's clock read: the lease
-/// runs from before the rows were written, never from later than the claim.
-pub(crate) async fn claim_created<T: Tx>(
-    tx: &mut T,
-    request: &ClaimRequest,
-    now: OffsetDateTime,
-    created: &[Uuid],
-) -> Result<Vec<Claim>> {
-    if created.is_empty() || request.limit == 0 {
-        return Ok(Vec::new());
-    }
-    lease(tx, request, now, Some(created)).await
-}
-
-/// Leases up to `request.limit` claimable operations (only those of `among`, when given),
-/// of each tool at most its room: the operation, its attempt row, the history event, the
-/// queue row and the `dispatched` result, each kind of row written once for the batch.
-async fn lease<T: Tx>(
-    tx: &mut T,
-    request: &ClaimRequest,
-    now: OffsetDateTime,
-    among: Option<&[Uuid]>,
-) -> Result<Vec<Claim>> {
-    let mut room = request.tool_room.clone();
-    let full: Vec<String> = room
+    let full: Vec<String> = request
+        .tool_room
         .iter()
         .filter(|(_, free)| **free == 0)
         .map(|(tool, _)| tool.clone())
         .collect();
-    let picked = tx.pick_claimable(now, request.limit, &full, among).await?;
-    let mut chosen = Vec::with_capacity(picked.len());
-    for (id, tool) in picked {
-        // Sized by the tool's free permits: the rest stay queued for the next claim.
-        if let Some(free) = room.get_mut(&tool) {
-            if *free == 0 {
-                continue;
-            }
-            *free -= 1;
-        }
-        chosen.push(id);
-    }
+    let picked = tx.pick_claimable(now, request.limit, &full).await?;
+    let chosen = fit_to_room(picked, &request.tool_room, request.limit);
     let mut locked = tx.try_lock_operations(&chosen).await?;
     let mut claims = Vec::with_capacity(chosen.len());
     let mut attempts = Vec::new();
@@ -62,51 +27,24 @@ async fn lease<T: Tx>(
         let Some(mut op) = locked.remove(&id) else {
             continue;
         };
-        let from = op.status;
-        let Ok(to) = transition(from, Event::Claim) else {
+        let Some((attempt, event)) = take_lease(&mut op, request, now) else {
             // The queue row disagrees with the operation (a bug or a manual edit): repair
             // the row from the operation and keep claiming the others.
-            tracing::warn!(operation_id = %id, status = %from, "queue row out of step with its operation; repaired");
-            tx.put_queue(&op, QueueState::of(from), now).await?;
+            tracing::warn!(operation_id = %id, status = %op.status, "queue row out of step with its operation; repaired");
+            tx.put_queue(&op, QueueState::of(op.status), now).await?;
             continue;
         };
-        op.status = to;
-        op.attempt_count += 1;
-        op.lease_epoch += 1;
-        op.lease_owner = Some(request.owner.clone());
-        op.lease_expires_at = Some(add(now, request.lease));
-        op.first_attempt_at.get_or_insert(now);
-        op.next_attempt_at = None;
-        op.updated_at = now;
-        let attempt_id = Uuid::now_v7();
-        attempts.push(NewAttempt {
-            attempt_id,
-            operation_id: id,
-            number: op.attempt_count,
-            epoch: op.lease_epoch,
-            worker: &request.owner,
-            started_at: now,
-        });
-        events.push(NewEvent {
-            operation_id: id,
-            from: Some(from),
-            to,
-            reason: "claimed",
-            attempt_id: Some(attempt_id),
-            epoch: op.lease_epoch,
-            actor: Some(&request.owner),
-            at: now,
-            detail: None,
-        });
         let event_id = op.event_id.clone();
         outbox.push(result_row(&mut op, &event_id, Dedupe::miss(), now)?);
-        queue.push(op.clone());
         claims.push(Claim {
             first_attempt_at: op.first_attempt_at,
-            operation: op,
-            attempt_id: Some(attempt_id),
+            operation: op.clone(),
+            attempt_id: Some(attempt.attempt_id),
             claimed_at: now,
         });
+        attempts.push(attempt);
+        events.push(event);
+        queue.push(op);
     }
     let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
         .iter()
@@ -125,6 +63,72 @@ async fn lease<T: Tx>(
     )
     .await?;
     Ok(claims)
+}
+
+/// Which of the `picked` operations (id and tool, in claim order) a claim takes: at most
+/// `limit`, and of each tool listed in `room` at most its free permits (a tool not listed
+/// is bounded by `limit` alone). The rest stay queued for the next claim.
+pub(super) fn fit_to_room<Id>(
+    picked: impl IntoIterator<Item = (Id, String)>,
+    room: &std::collections::BTreeMap<String, usize>,
+    limit: usize,
+) -> Vec<Id> {
+    let mut room = room.clone();
+    let mut chosen = Vec::new();
+    for (id, tool) in picked {
+        if chosen.len() == limit {
+            break;
+        }
+        if let Some(free) = room.get_mut(&tool) {
+            if *free == 0 {
+                continue;
+            }
+            *free -= 1;
+        }
+        chosen.push(id);
+    }
+    chosen
+}
+
+/// The claim's transition on `op` (ready -> dispatched under a new lease for
+/// `request.owner`, from `now`), with the attempt row written before the tool is called
+/// and the history entry; `None` when `op` is not in a claimable state.
+pub(super) fn take_lease<'r>(
+    op: &mut Operation,
+    request: &'r ClaimRequest,
+    now: OffsetDateTime,
+) -> Option<(NewAttempt<'r>, NewEvent<'r>)> {
+    let from = op.status;
+    let to = transition(from, Event::Claim).ok()?;
+    op.status = to;
+    op.attempt_count += 1;
+    op.lease_epoch += 1;
+    op.lease_owner = Some(request.owner.clone());
+    op.lease_expires_at = Some(add(now, request.lease));
+    op.first_attempt_at.get_or_insert(now);
+    op.next_attempt_at = None;
+    op.updated_at = now;
+    let attempt_id = Uuid::now_v7();
+    let attempt = NewAttempt {
+        attempt_id,
+        operation_id: op.operation_id,
+        number: op.attempt_count,
+        epoch: op.lease_epoch,
+        worker: &request.owner,
+        started_at: now,
+    };
+    let event = NewEvent {
+        operation_id: op.operation_id,
+        from: Some(from),
+        to,
+        reason: "claimed",
+        attempt_id: Some(attempt_id),
+        epoch: op.lease_epoch,
+        actor: Some(&request.owner),
+        at: now,
+        detail: None,
+    };
+    Some((attempt, event))
 }
 
 /// Records outcomes (see [`crate::Ledger::record`]) with a fixed number of statements

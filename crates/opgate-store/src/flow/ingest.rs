@@ -10,15 +10,25 @@ use super::*;
 /// by row against the operations they hit.
 pub(crate) async fn ingest<T: Tx>(tx: &mut T, batch: &[IngestItem]) -> Result<Vec<IngestOutcome>> {
     let now = tx.now().await?;
-    let outcomes = ingest_at(tx, batch, now).await?;
-    if created_waiting(&outcomes).next().is_none() {
-        tx.leaves_nothing_claimable();
-    }
+    let (outcomes, _) = ingest_at(tx, batch, now, None).await?;
     Ok(outcomes)
 }
 
+/// [`ingest`], claiming for a dispatcher, in the same transaction, the operations the
+/// batch creates that are ready and at the head of their entity's line, as far as the
+/// request's room goes (see [`crate::Ledger::ingest_and_claim`]). A claimed operation is
+/// written once, already claimed ([`plan_claims`]); its outcome reports it so.
+pub(crate) async fn ingest_and_claim<T: Tx>(
+    tx: &mut T,
+    batch: &[IngestItem],
+    request: &ClaimRequest,
+) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
+    let now = tx.now().await?;
+    ingest_at(tx, batch, now, Some(request)).await
+}
+
 /// The operations a batch created that wait in the queue for a claim (not those parked
-/// for approval).
+/// for approval, nor those it claimed).
 fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '_ {
     outcomes
         .iter()
@@ -28,41 +38,55 @@ fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '
         .map(|op| op.operation_id)
 }
 
-/// [`ingest`], then, in the same transaction, a claim for a dispatcher of the operations
-/// the batch created ([`claim_created`]; see [`crate::Ledger::ingest_and_claim`]). Each
-/// claimed operation's outcome reports it as claimed.
-pub(crate) async fn ingest_and_claim<T: Tx>(
+/// Which of an ingest's candidate operations it claims (indices into `candidates`, in
+/// order), and the busy entities it asked the ledger about: those waiting in the queue
+/// once written, at the head of their entity's line — a read, or the first write of the
+/// batch on an entity with no write waiting, in flight or held
+/// ([`Tx::busy_entities`]) — within the request's limit and room ([`fit_to_room`]).
+/// The ledger is read before the operations are written, so each is written once, as
+/// claimed; a write on the same entity that another transaction commits meanwhile is
+/// held off by the one-write-in-flight index, as for any claim.
+async fn plan_claims<T: Tx>(
     tx: &mut T,
-    batch: &[IngestItem],
+    candidates: &[Operation],
     request: &ClaimRequest,
-) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
-    let now = tx.now().await?;
-    let mut outcomes = ingest_at(tx, batch, now).await?;
-    let created: Vec<Uuid> = created_waiting(&outcomes).collect();
-    let claims = claim_created(tx, request, now, &created).await?;
-    if claims.len() == created.len() {
-        // Each one it created is claimed: nothing for a dispatcher to claim.
-        tx.leaves_nothing_claimable();
-    }
-    let claimed: HashMap<Uuid, &Operation> = claims
-        .iter()
-        .map(|c| (c.operation.operation_id, &c.operation))
+) -> Result<Vec<usize>> {
+    let waiting: Vec<usize> = (0..candidates.len())
+        .filter(|&c| QueueState::of(candidates[c].status) == QueueState::Waiting)
         .collect();
-    for outcome in &mut outcomes {
-        if let Some(op) = &mut outcome.operation
-            && let Some(after) = claimed.get(&op.operation_id)
-        {
-            *op = (*after).clone();
+    if waiting.is_empty() || request.limit == 0 {
+        return Ok(Vec::new());
+    }
+    // As the queue row's `is_read`: only writes wait their turn on an entity.
+    let is_read = |op: &Operation| !op.side_effect_class.is_write();
+    let mut writes: Vec<&str> = waiting
+        .iter()
+        .map(|&c| &candidates[c])
+        .filter(|op| !is_read(op))
+        .map(|op| op.entity_key.as_str())
+        .collect();
+    writes.sort_unstable();
+    writes.dedup();
+    let mut busy = tx.busy_entities(&writes).await?;
+    let mut heads = Vec::with_capacity(waiting.len());
+    for c in waiting {
+        let op = &candidates[c];
+        // A write makes its entity busy for the writes after it in the batch.
+        if is_read(op) || busy.insert(op.entity_key.clone()) {
+            heads.push((c, op.tool.clone()));
         }
     }
-    Ok((outcomes, claims))
+    Ok(fit_to_room(heads, &request.tool_room, request.limit))
 }
 
+/// Ingests `batch` at `now`; with a claim request, claims what [`plan_claims`] picks of
+/// what it creates. Returns each proposal's outcome and the claims.
 async fn ingest_at<T: Tx>(
     tx: &mut T,
     batch: &[IngestItem],
     now: OffsetDateTime,
-) -> Result<Vec<IngestOutcome>> {
+    claim: Option<&ClaimRequest>,
+) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
     let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
     // What each proposal is expected to become, written into its inbox row: most are new
     // (accepted, naming the operation id drawn here) or refused already, and their inbox
@@ -117,9 +141,24 @@ async fn ingest_at<T: Tx>(
             candidates.push(op);
         }
     }
+    // The candidates a claim takes are written claimed (with their `accepted` and
+    // `dispatched` results); each keeps its state before the claim for the first.
+    let mut leases: Vec<Option<(Operation, NewAttempt<'_>, NewEvent<'_>)>> =
+        (0..candidates.len()).map(|_| None).collect();
+    if let Some(request) = claim {
+        for c in plan_claims(tx, &candidates, request).await? {
+            let before = candidates[c].clone();
+            if let Some((attempt, event)) = take_lease(&mut candidates[c], request, now) {
+                candidates[c].result_seq = 2;
+                leases[c] = Some((before, attempt, event));
+            }
+        }
+    }
     let created = tx.insert_operations_batch(&candidates).await?;
 
     let mut events = Vec::new();
+    let mut attempts = Vec::new();
+    let mut claims = Vec::new();
     let mut queue = Vec::new();
     let mut outbox = Vec::new();
     let mut decisions: Vec<(usize, IngestDecision, Option<Uuid>)> = Vec::new();
@@ -224,10 +263,44 @@ async fn ingest_at<T: Tx>(
             IngestItem::Accepted(env) => {
                 let c = candidate_of[i].ok_or_else(|| Error::Corrupt("candidate lost".into()))?;
                 if created[c] {
-                    let mut op = candidates[c].clone();
+                    let lease = leases[c].take();
+                    let mut op = match &lease {
+                        Some((before, ..)) => before.clone(),
+                        None => candidates[c].clone(),
+                    };
                     op.result_seq = 0;
                     outbox.push(result_row(&mut op, &env.event_id, Dedupe::miss(), now)?);
-                    events.push((c, env.delivery.principal.as_deref()));
+                    events.push(NewEvent {
+                        operation_id: op.operation_id,
+                        from: None,
+                        to: op.status,
+                        reason: "ingested",
+                        attempt_id: None,
+                        epoch: 0,
+                        // Who proposed it, when it came through an authenticated interface.
+                        actor: env.delivery.principal.as_deref(),
+                        at: now,
+                        detail: None,
+                    });
+                    if let Some((_, attempt, claimed_event)) = lease {
+                        let mut claimed = candidates[c].clone();
+                        claimed.result_seq = op.result_seq;
+                        outbox.push(result_row(
+                            &mut claimed,
+                            &env.event_id,
+                            Dedupe::miss(),
+                            now,
+                        )?);
+                        claims.push(Claim {
+                            first_attempt_at: claimed.first_attempt_at,
+                            operation: claimed.clone(),
+                            attempt_id: Some(attempt.attempt_id),
+                            claimed_at: now,
+                        });
+                        events.push(claimed_event);
+                        attempts.push(attempt);
+                        op = claimed;
+                    }
                     queue.push(c);
                     (IngestDecision::Accepted, Some(op))
                 } else {
@@ -265,21 +338,6 @@ async fn ingest_at<T: Tx>(
         });
     }
 
-    let created_events: Vec<NewEvent<'_>> = events
-        .iter()
-        .map(|&(c, principal)| NewEvent {
-            operation_id: candidates[c].operation_id,
-            from: None,
-            to: candidates[c].status,
-            reason: "ingested",
-            attempt_id: None,
-            epoch: 0,
-            // Who proposed it, when it came through an authenticated interface.
-            actor: principal,
-            at: now,
-            detail: None,
-        })
-        .collect();
     let queue_rows: Vec<(&Operation, QueueState, OffsetDateTime)> = queue
         .iter()
         .map(|&c| (&candidates[c], QueueState::of(candidates[c].status), now))
@@ -288,8 +346,8 @@ async fn ingest_at<T: Tx>(
     let hit_ops: Vec<Operation> = hit.values().cloned().collect();
     tx.write_rows(
         &Rows {
-            attempts: &[],
-            events: &created_events,
+            attempts: &attempts,
+            events: &events,
             queue: &queue_rows,
             outbox: &outbox,
             operations: &hit_ops,
@@ -315,7 +373,11 @@ async fn ingest_at<T: Tx>(
         .map(|(i, decision, op)| (deliveries[*i].key, decision, *op))
         .collect();
     tx.set_inbox_batch(&inbox_rows).await?;
-    Ok(outcomes)
+    if created_waiting(&outcomes).next().is_none() {
+        // Each operation it created is claimed or parked: nothing for a dispatcher.
+        tx.leaves_nothing_claimable();
+    }
+    Ok((outcomes, claims))
 }
 
 /// The refusal of an accepted proposal that the ledger's contents contradict.

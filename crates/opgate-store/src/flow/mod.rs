@@ -42,8 +42,8 @@ mod tx;
 
 pub(crate) use admin::{apply, compensate};
 use change::*;
-use dispatch::claim_created;
 pub(crate) use dispatch::{claim, record};
+use dispatch::{fit_to_room, take_lease};
 use guards::*;
 pub(crate) use guards::{GUARD_IGNORES, GuardProbe};
 pub(crate) use ingest::{ingest, ingest_and_claim};

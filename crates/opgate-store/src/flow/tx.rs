@@ -375,15 +375,19 @@ pub(crate) trait Tx: Send {
         entity_keys: &[&str],
     ) -> impl Future<Output = Result<bool>> + Send;
     /// Locks up to `limit` claimable head-of-line queue rows, oldest first, skipping
-    /// locked ones and those of `skip_tools`; only rows of `among` when given (the
-    /// operations an ingest just created). Returns each with its tool.
+    /// locked ones and those of `skip_tools`. Returns each with its tool.
     fn pick_claimable(
         &mut self,
         now: OffsetDateTime,
         limit: usize,
         skip_tools: &[String],
-        among: Option<&[Uuid]>,
     ) -> impl Future<Output = Result<Vec<(Uuid, String)>>> + Send;
+    /// Those of these entities on which a write operation waits, is in flight or is held
+    /// in the queue: a new write operation of one of them is not at the head of its line.
+    fn busy_entities(
+        &mut self,
+        entity_keys: &[&str],
+    ) -> impl Future<Output = Result<std::collections::HashSet<String>>> + Send;
     /// Locks up to `limit` dispatched operations whose lease expired.
     fn pick_expired(
         &mut self,
