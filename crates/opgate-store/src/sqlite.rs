@@ -597,12 +597,13 @@ impl Tx for SqliteTx {
             .collect()
     }
 
-    async fn busy_entities(
+    async fn now_and_busy(
         &mut self,
         entity_keys: &[&str],
-    ) -> Result<std::collections::HashSet<String>> {
+    ) -> Result<(OffsetDateTime, std::collections::HashSet<String>)> {
+        let now = self.now().await?;
         if entity_keys.is_empty() {
-            return Ok(std::collections::HashSet::new());
+            return Ok((now, std::collections::HashSet::new()));
         }
         let busy: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT entity_key FROM dispatch_queue \
@@ -612,7 +613,7 @@ impl Tx for SqliteTx {
         .bind(serde_json::to_string(entity_keys).unwrap_or_else(|_| "[]".into()))
         .fetch_all(&mut *self.0)
         .await?;
-        Ok(busy.into_iter().collect())
+        Ok((now, busy.into_iter().collect()))
     }
 
     async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {

@@ -290,3 +290,35 @@ pub(super) async fn record_one_by_one<T: Tx>(
     }
     Ok(results)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::fit_to_room;
+
+    #[test]
+    fn a_claim_takes_each_tool_up_to_its_room_and_all_up_to_the_limit() {
+        let picked = || {
+            [
+                (1, "pay"),
+                (2, "ticket"),
+                (3, "pay"),
+                (4, "lookup"),
+                (5, "pay"),
+                (6, "lookup"),
+            ]
+            .map(|(id, tool)| (id, tool.to_owned()))
+        };
+        let room = BTreeMap::from([("pay".to_owned(), 2), ("ticket".to_owned(), 0)]);
+        // pay's third waits for room, a ticket has none; lookup is not listed: only the
+        // limit bounds it.
+        assert_eq!(fit_to_room(picked(), &room, 10), [1, 3, 4, 6]);
+        assert_eq!(fit_to_room(picked(), &room, 3), [1, 3, 4]);
+        assert_eq!(fit_to_room(picked(), &room, 0), Vec::<i32>::new());
+        assert_eq!(
+            fit_to_room(picked(), &BTreeMap::new(), 10),
+            [1, 2, 3, 4, 5, 6]
+        );
+    }
+}

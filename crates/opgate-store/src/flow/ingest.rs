@@ -23,8 +23,21 @@ pub(crate) async fn ingest_and_claim<T: Tx>(
     batch: &[IngestItem],
     request: &ClaimRequest,
 ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
-    let now = tx.now().await?;
-    ingest_at(tx, batch, now, Some(request)).await
+    // The entities the batch's writes are of, which may be busy already: read with the
+    // clock, before anything is written.
+    let mut writes: Vec<&str> = batch
+        .iter()
+        .filter_map(|item| match item {
+            IngestItem::Accepted(env) if env.side_effect_class.is_write() => {
+                Some(env.entity_key.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    writes.sort_unstable();
+    writes.dedup();
+    let (now, busy) = tx.now_and_busy(&writes).await?;
+    ingest_at(tx, batch, now, Some((request, busy))).await
 }
 
 /// The operations a batch created that wait in the queue for a claim (not those parked
@@ -39,53 +52,36 @@ fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '
 }
 
 /// Which of an ingest's candidate operations it claims (indices into `candidates`, in
-/// order), and the busy entities it asked the ledger about: those waiting in the queue
-/// once written, at the head of their entity's line — a read, or the first write of the
-/// batch on an entity with no write waiting, in flight or held
-/// ([`Tx::busy_entities`]) — within the request's limit and room ([`fit_to_room`]).
-/// The ledger is read before the operations are written, so each is written once, as
-/// claimed; a write on the same entity that another transaction commits meanwhile is
-/// held off by the one-write-in-flight index, as for any claim.
-async fn plan_claims<T: Tx>(
-    tx: &mut T,
+/// order): those that will wait in the queue once written and are at the head of their
+/// entity's line — a read, or the first write of the batch on an entity not `busy` (a
+/// write waits, is in flight or is held on it: [`Tx::now_and_busy`]) — within the
+/// request's limit and room ([`fit_to_room`]). The ledger is read before the operations
+/// are written, so each is written once, as claimed; a write on the same entity that
+/// another transaction commits meanwhile is held off by the one-write-in-flight index, as
+/// for any claim.
+fn plan_claims(
     candidates: &[Operation],
     request: &ClaimRequest,
-) -> Result<Vec<usize>> {
-    let waiting: Vec<usize> = (0..candidates.len())
-        .filter(|&c| QueueState::of(candidates[c].status) == QueueState::Waiting)
-        .collect();
-    if waiting.is_empty() || request.limit == 0 {
-        return Ok(Vec::new());
-    }
-    // As the queue row's `is_read`: only writes wait their turn on an entity.
-    let is_read = |op: &Operation| !op.side_effect_class.is_write();
-    let mut writes: Vec<&str> = waiting
+    mut busy: std::collections::HashSet<String>,
+) -> Vec<usize> {
+    let heads = candidates
         .iter()
-        .map(|&c| &candidates[c])
-        .filter(|op| !is_read(op))
-        .map(|op| op.entity_key.as_str())
-        .collect();
-    writes.sort_unstable();
-    writes.dedup();
-    let mut busy = tx.busy_entities(&writes).await?;
-    let mut heads = Vec::with_capacity(waiting.len());
-    for c in waiting {
-        let op = &candidates[c];
-        // A write makes its entity busy for the writes after it in the batch.
-        if is_read(op) || busy.insert(op.entity_key.clone()) {
-            heads.push((c, op.tool.clone()));
-        }
-    }
-    Ok(fit_to_room(heads, &request.tool_room, request.limit))
+        .enumerate()
+        .filter(|(_, op)| QueueState::of(op.status) == QueueState::Waiting)
+        // As the queue row's `is_read`: only writes wait their turn on an entity, and a
+        // write makes its entity busy for the writes after it in the batch.
+        .filter(|(_, op)| !op.side_effect_class.is_write() || busy.insert(op.entity_key.clone()))
+        .map(|(c, op)| (c, op.tool.clone()));
+    fit_to_room(heads, &request.tool_room, request.limit)
 }
 
-/// Ingests `batch` at `now`; with a claim request, claims what [`plan_claims`] picks of
-/// what it creates. Returns each proposal's outcome and the claims.
+/// Ingests `batch` at `now`; with a claim request (and the entities busy at `now`),
+/// claims what [`plan_claims`] picks of what it creates. Returns each proposal's outcome and the claims.
 async fn ingest_at<T: Tx>(
     tx: &mut T,
     batch: &[IngestItem],
     now: OffsetDateTime,
-    claim: Option<&ClaimRequest>,
+    claim: Option<(&ClaimRequest, std::collections::HashSet<String>)>,
 ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
     let keys: Vec<String> = batch.iter().map(IngestItem::inbox_key).collect();
     // What each proposal is expected to become, written into its inbox row: most are new
@@ -145,8 +141,8 @@ async fn ingest_at<T: Tx>(
     // `dispatched` results); each keeps its state before the claim for the first.
     let mut leases: Vec<Option<(Operation, NewAttempt<'_>, NewEvent<'_>)>> =
         (0..candidates.len()).map(|_| None).collect();
-    if let Some(request) = claim {
-        for c in plan_claims(tx, &candidates, request).await? {
+    if let Some((request, busy)) = claim {
+        for c in plan_claims(&candidates, request, busy) {
             let before = candidates[c].clone();
             if let Some((attempt, event)) = take_lease(&mut candidates[c], request, now) {
                 candidates[c].result_seq = 2;
