@@ -43,7 +43,11 @@ impl Workers {
             ])
             .arg(&self.config)
             .env("OPGATE_SIM_URL", &self.sim_url)
-            .env("RUST_LOG", "warn,rdkafka=error")
+            // `OPGATE_WORKER_LOG` sets the workers' log filter (for a look inside a run).
+            .env(
+                "RUST_LOG",
+                std::env::var("OPGATE_WORKER_LOG").unwrap_or_else(|_| "warn,rdkafka=error".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

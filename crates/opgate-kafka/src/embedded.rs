@@ -26,7 +26,6 @@ enum Command {
     ClearRequestErrors(RDKafkaApiKey, Reply),
     CreateTopic(String, i32, Reply),
     TopicError(String, RDKafkaRespErr, Reply),
-    GroupJoinDelay(i32, Reply),
 }
 
 /// How long the embedded broker holds a new consumer group's first join for more members
@@ -34,18 +33,20 @@ enum Command {
 /// 3,000 ms, Apache Kafka's default: every process that subscribes to an empty group
 /// waited three seconds before its first record (`bench e2e`: 3.4 s to the first result,
 /// a fifth of a 20,000-operation run). Development brokers are set to 0 for this reason;
-/// a short hold still lets processes started together join in one rebalance
-/// ([`EmbeddedBroker::set_group_join_delay`] sets a longer one).
+/// a short hold still lets processes started together join in one rebalance.
 const GROUP_JOIN_DELAY_MS: i32 = 200;
 
 /// The consumers' `session.timeout.ms` on the embedded broker: Apache Kafka's floor
 /// (`group.min.session.timeout.ms`), not librdkafka's default of 45 s. The mock cluster
-/// ends a rebalance started by a member joining a group that already consumes only when
-/// its timer fires, one second short of the session timeout, even when every member has
-/// rejoined at once (Apache Kafka ends it then): the whole group consumes nothing until
-/// then. With the default that was 44 s (`examples/group_join.rs`; the two-process
-/// `bench e2e` runs at ~400 operations/s on 2026-12-02 and 2026-12-07 were such joins);
-/// with this, 5 s.
+/// ends a rebalance that starts while its group consumes (a member joins, or rejoins)
+/// only when its timer fires, one second short of the session timeout, even when every
+/// member has rejoined at once (Apache Kafka ends it then); the whole group consumes
+/// nothing until then. A member joining late starts one (`examples/group_join.rs`: 44 s
+/// with the default, 5 s with this), and so does a race in the mock's coordinator: when
+/// the leader's SyncGroup arrives before a follower's, the generation completes without
+/// it, the follower's SyncGroup is refused ("Invalid request") and it rejoins (seen in
+/// about one `bench e2e --processes 2` run in twenty; the ~400/s two-process runs of
+/// 2026-12-02 and 2026-12-07 were such 44 s stops).
 const SESSION_TIMEOUT_MS: &str = "6000";
 
 /// A sixth of [`SESSION_TIMEOUT_MS`], as librdkafka's defaults have it (3 s of 45 s).
@@ -136,10 +137,6 @@ impl EmbeddedBroker {
                         Command::TopicError(name, error, reply) => {
                             drop(reply.send(cluster.topic_error(&name, error)));
                         }
-                        Command::GroupJoinDelay(ms, reply) => {
-                            set_group_join_delay(owner.client(), ms);
-                            drop(reply.send(Ok(())));
-                        }
                     }
                 }
             })
@@ -223,15 +220,6 @@ impl EmbeddedBroker {
     pub fn topic_error(&self, name: &str, error: RDKafkaRespErr) -> Result<()> {
         let name = name.to_owned();
         self.send(|r| Command::TopicError(name, error, r))
-    }
-
-    /// How long a new consumer group's first join waits for more members
-    /// ([`GROUP_JOIN_DELAY_MS`] unless set here): processes that start together and join
-    /// within it share one rebalance; one that joins after it stops the group for most
-    /// of a session timeout ([`SESSION_TIMEOUT_MS`]).
-    pub fn set_group_join_delay(&self, delay: std::time::Duration) -> Result<()> {
-        let ms = i32::try_from(delay.as_millis()).unwrap_or(i32::MAX);
-        self.send(|r| Command::GroupJoinDelay(ms, r))
     }
 
     /// Creates another topic.

@@ -98,11 +98,11 @@ pub fn report(source: &str, error: &KafkaError, reason: &str) {
 
 /// Logs one of librdkafka's own log lines: warnings and errors (a refused connection is
 /// `FAIL`, once per broker thread and retry) through the throttle, keyed by facility; the
-/// rest at debug level.
+/// rest, and the warnings that are no news ([`expected`]), at debug level.
 pub fn log(level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
     use rdkafka::config::RDKafkaLogLevel as L;
     match level {
-        L::Emerg | L::Alert | L::Critical | L::Error | L::Warning => {
+        L::Emerg | L::Alert | L::Critical | L::Error | L::Warning if !expected(fac, message) => {
             let kind = format!("librdkafka {fac}: {}", log_kind(message));
             if let Some(left_out) = throttle().admit(&kind, Instant::now(), SUMMARY_EVERY) {
                 if left_out == 0 {
@@ -117,8 +117,17 @@ pub fn log(level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
                 }
             }
         }
-        L::Notice | L::Info | L::Debug => tracing::debug!(target: "librdkafka", "{fac}: {message}"),
+        _ => tracing::debug!(target: "librdkafka", "{fac}: {message}"),
     }
+}
+
+/// A librdkafka warning that says only what opgate's configuration means to do:
+/// `[kafka.client]` configures every client, so each consumer property is "ignored by this
+/// producer instance" and each producer property by a consumer, once per client made.
+fn expected(fac: &str, message: &str) -> bool {
+    fac == "CONFWARN"
+        && (message.contains("is a consumer property and will be ignored by this producer")
+            || message.contains("is a producer property and will be ignored by this consumer"))
 }
 
 /// What a librdkafka log line is about, without what varies between repeats of it:
@@ -168,6 +177,22 @@ mod tests {
         // After the period: one line, counting what was left out.
         assert_eq!(t.admit("AllBrokersDown", start + every, every), Some(289));
         assert_eq!(t.admit("AllBrokersDown", start + every, every), None);
+    }
+
+    #[test]
+    fn a_shared_property_ignored_by_one_kind_of_client_is_no_warning() {
+        let ignored = "[thrd:app]: Configuration property session.timeout.ms is a consumer property and will be ignored by this producer instance";
+        assert!(expected("CONFWARN", ignored));
+        assert!(expected(
+            "CONFWARN",
+            "[thrd:app]: Configuration property linger.ms is a producer property and will be ignored by this consumer instance"
+        ));
+        // Other configuration warnings stay warnings.
+        assert!(!expected(
+            "CONFWARN",
+            "[thrd:app]: Configuration property queue.buffering.max.ms is deprecated"
+        ));
+        assert!(!expected("FAIL", ignored));
     }
 
     #[test]

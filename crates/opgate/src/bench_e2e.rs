@@ -25,10 +25,6 @@ use crate::bench::{append_row, empty_ledger, today, workload};
 use crate::config::{Config, DatabaseConfig};
 use crate::roles::{self, EnvLookup};
 
-/// How long the embedded broker holds a new consumer group's first join when several
-/// child processes join it: Apache Kafka's default `group.initial.rebalance.delay.ms`.
-const MULTI_PROCESS_JOIN_DELAY: Duration = Duration::from_secs(3);
-
 /// The tool the benchmark proposes: the simulated payments provider, which honours the
 /// key; timeouts as in production.
 const TOOLS: &str = r#"
@@ -205,13 +201,6 @@ pub async fn e2e(opts: E2eBench) -> anyhow::Result<()> {
         }
         None => {
             let broker = opgate_kafka::EmbeddedBroker::start(1, "", &specs)?;
-            if opts.processes.is_some_and(|n| n > 1) {
-                // Child processes start together but not at one instant: one that joined
-                // the group after the first's join had ended would stop the group for five
-                // seconds on this broker (`EmbeddedBroker::set_group_join_delay`). The
-                // longer hold is before the first result, outside the steady rate.
-                broker.set_group_join_delay(MULTI_PROCESS_JOIN_DELAY)?;
-            }
             (broker.kafka_config(), Some(broker), String::new())
         }
     };
