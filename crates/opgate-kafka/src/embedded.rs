@@ -44,9 +44,9 @@ const GROUP_JOIN_DELAY_MS: i32 = 200;
 /// nothing until then. A member joining late starts one (`examples/group_join.rs`: 44 s
 /// with the default, 5 s with this), and so does a race in the mock's coordinator: when
 /// the leader's SyncGroup arrives before a follower's, the generation completes without
-/// it, the follower's SyncGroup is refused ("Invalid request") and it rejoins (seen in
-/// about one `bench e2e --processes 2` run in twenty; the ~400/s two-process runs of
-/// 2026-12-02 and 2026-12-07 were such 44 s stops).
+/// it, the follower's SyncGroup is refused ("Invalid request") and it rejoins (2 of 27
+/// `bench e2e --processes 2` runs; the ~400/s two-process runs of 2026-12-02 and
+/// 2026-12-07 were such 44 s stops).
 const SESSION_TIMEOUT_MS: &str = "6000";
 
 /// A sixth of [`SESSION_TIMEOUT_MS`], as librdkafka's defaults have it (3 s of 45 s).
