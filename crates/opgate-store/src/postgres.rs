@@ -203,51 +203,6 @@ impl Planner {
 impl PgTx {
     /// Plans the rest of the transaction with these settings, in a round trip of its own
     /// (for reads that do not begin with the clock read that carries them, [`Tx::now`]).
-    /// The database clock, with the prelude riding along, and, when `busy_of` is given,
-    /// those of its entities on which a write waits, is in flight or is held
-    /// ([`Tx::now_and_busy`]; the per-entity index `dispatch_queue_entity` holds exactly
-    /// these rows): one round trip.
-    async fn clock(&mut self, busy_of: Option<&[&str]>) -> Result<(OffsetDateTime, Vec<String>)> {
-        // clock_timestamp(), not now(): now() is the transaction's start, and time spent
-        // waiting on locks must not shorten a lease.
-        // The prelude rides along: `pg_notify` is queued until commit, and `set_config`
-        // with `is_local` lasts until the transaction ends, as `SET LOCAL` does.
-        let notify = self.1.notify.take();
-        let planner = std::mem::take(&mut self.1.planner);
-        let notify_sql = if notify.is_some() {
-            "pg_notify($1, $2)"
-        } else {
-            "NULL"
-        };
-        let lock_wait = self.1.lock_wait.take().map_or(String::new(), |wait| {
-            format!(
-                ", set_config('lock_timeout', '{}', true)",
-                millis(wait).max(1)
-            )
-        });
-        let busy_sql = match busy_of {
-            Some(_) => format!(
-                "ARRAY(SELECT DISTINCT entity_key FROM dispatch_queue \
-                 WHERE entity_key = ANY(${}) AND state IN ('waiting', 'inflight', 'held') \
-                   AND NOT is_read)",
-                if notify.is_some() { 3 } else { 1 }
-            ),
-            None => "ARRAY[]::text[]".to_owned(),
-        };
-        let sql = format!(
-            "SELECT clock_timestamp(), {busy_sql} FROM (SELECT {notify_sql}{}{lock_wait}) AS p",
-            planner.settings()
-        );
-        let mut query = sqlx::query_as(&sql);
-        if let Some(changes) = &notify {
-            query = query.bind(&changes.channel).bind(&changes.instance);
-        }
-        if let Some(keys) = busy_of {
-            query = query.bind(keys);
-        }
-        Ok(query.fetch_one(&mut *self.0).await?)
-    }
-
     async fn plan_as(&mut self, planner: Planner) -> Result<()> {
         sqlx::query(&format!("SELECT NULL{}", planner.settings()))
             .execute(&mut *self.0)
@@ -1026,15 +981,32 @@ impl Tx for PgTx {
     }
 
     async fn now(&mut self) -> Result<OffsetDateTime> {
-        Ok(self.clock(None).await?.0)
-    }
-
-    async fn now_and_busy(
-        &mut self,
-        entity_keys: &[&str],
-    ) -> Result<(OffsetDateTime, HashSet<String>)> {
-        let (now, busy) = self.clock(Some(entity_keys)).await?;
-        Ok((now, busy.into_iter().collect()))
+        // clock_timestamp(), not now(): now() is the transaction's start, and time spent
+        // waiting on locks must not shorten a lease.
+        // The prelude rides along: `pg_notify` is queued until commit, and `set_config`
+        // with `is_local` lasts until the transaction ends, as `SET LOCAL` does.
+        let notify = self.1.notify.take();
+        let planner = std::mem::take(&mut self.1.planner);
+        let notify_sql = if notify.is_some() {
+            "pg_notify($1, $2)"
+        } else {
+            "NULL"
+        };
+        let lock_wait = self.1.lock_wait.take().map_or(String::new(), |wait| {
+            format!(
+                ", set_config('lock_timeout', '{}', true)",
+                millis(wait).max(1)
+            )
+        });
+        let sql = format!(
+            "SELECT clock_timestamp() FROM (SELECT {notify_sql}{}{lock_wait}) AS p",
+            planner.settings()
+        );
+        let mut query = sqlx::query_scalar(&sql);
+        if let Some(changes) = &notify {
+            query = query.bind(&changes.channel).bind(&changes.instance);
+        }
+        Ok(query.fetch_one(&mut *self.0).await?)
     }
 
     async fn insert_inbox(&mut self, row: NewInbox<'_>, at: OffsetDateTime) -> Result<bool> {
@@ -1468,6 +1440,28 @@ impl Tx for PgTx {
         .bind(skip_tools)
         .fetch_all(&mut *self.0)
         .await?)
+    }
+
+    async fn busy_entities(&mut self, entity_keys: &[&str]) -> Result<HashSet<String>> {
+        if entity_keys.is_empty() {
+            return Ok(HashSet::new());
+        }
+        // A statement of its own, after the clock read that sets the hot path's planner
+        // settings: with them (a generic plan, no sequential scan) it is an index-only
+        // scan of the per-entity index (`dispatch_queue_entity`, which holds exactly these
+        // rows). Read in the clock read's own statement, planned before its settings apply,
+        // it was a bitmap scan that visits the dead entries this churning table leaves:
+        // clock and read 0.116 ms a call together, against 0.036 for the two apart
+        // (BENCHMARKS.md, 2026-12-07 evening).
+        let busy: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT entity_key FROM dispatch_queue \
+             WHERE entity_key = ANY($1) AND state IN ('waiting', 'inflight', 'held') \
+               AND NOT is_read",
+        )
+        .bind(entity_keys)
+        .fetch_all(&mut *self.0)
+        .await?;
+        Ok(busy.into_iter().collect())
     }
 
     async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {

@@ -597,13 +597,12 @@ impl Tx for SqliteTx {
             .collect()
     }
 
-    async fn now_and_busy(
+    async fn busy_entities(
         &mut self,
         entity_keys: &[&str],
-    ) -> Result<(OffsetDateTime, std::collections::HashSet<String>)> {
-        let now = self.now().await?;
+    ) -> Result<std::collections::HashSet<String>> {
         if entity_keys.is_empty() {
-            return Ok((now, std::collections::HashSet::new()));
+            return Ok(std::collections::HashSet::new());
         }
         let busy: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT entity_key FROM dispatch_queue \
@@ -613,7 +612,7 @@ impl Tx for SqliteTx {
         .bind(serde_json::to_string(entity_keys).unwrap_or_else(|_| "[]".into()))
         .fetch_all(&mut *self.0)
         .await?;
-        Ok((now, busy.into_iter().collect()))
+        Ok(busy.into_iter().collect())
     }
 
     async fn waiting_on_entities(&mut self, entity_keys: &[&str]) -> Result<bool> {

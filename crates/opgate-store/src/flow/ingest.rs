@@ -23,8 +23,9 @@ pub(crate) async fn ingest_and_claim<T: Tx>(
     batch: &[IngestItem],
     request: &ClaimRequest,
 ) -> Result<(Vec<IngestOutcome>, Vec<Claim>)> {
-    // The entities the batch's writes are of, which may be busy already: read with the
-    // clock, before anything is written.
+    let now = tx.now().await?;
+    // The entities the batch's writes are of, which may be busy already: read before
+    // anything is written.
     let mut writes: Vec<&str> = batch
         .iter()
         .filter_map(|item| match item {
@@ -36,7 +37,7 @@ pub(crate) async fn ingest_and_claim<T: Tx>(
         .collect();
     writes.sort_unstable();
     writes.dedup();
-    let (now, busy) = tx.now_and_busy(&writes).await?;
+    let busy = tx.busy_entities(&writes).await?;
     ingest_at(tx, batch, now, Some((request, busy))).await
 }
 
@@ -54,7 +55,7 @@ fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '
 /// Which of an ingest's candidate operations it claims (indices into `candidates`, in
 /// order): those that will wait in the queue once written and are at the head of their
 /// entity's line — a read, or the first write of the batch on an entity not `busy` (a
-/// write waits, is in flight or is held on it: [`Tx::now_and_busy`]) — within the
+/// write waits, is in flight or is held on it: [`Tx::busy_entities`]) — within the
 /// request's limit and room ([`fit_to_room`]). The ledger is read before the operations
 /// are written, so each is written once, as claimed; a write on the same entity that
 /// another transaction commits meanwhile is held off by the one-write-in-flight index, as

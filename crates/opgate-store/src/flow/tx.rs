@@ -382,13 +382,13 @@ pub(crate) trait Tx: Send {
         limit: usize,
         skip_tools: &[String],
     ) -> impl Future<Output = Result<Vec<(Uuid, String)>>> + Send;
-    /// The database clock, and those of these entities on which a write operation waits,
-    /// is in flight or is held in the queue (a new write operation of one of them is not
-    /// at the head of its line): what an ingest that claims reads before it writes.
-    fn now_and_busy(
+    /// Those of these entities on which a write operation waits, is in flight or is held
+    /// in the queue: a new write operation of one of them is not at the head of its line
+    /// (what an ingest that claims reads before it writes).
+    fn busy_entities(
         &mut self,
         entity_keys: &[&str],
-    ) -> impl Future<Output = Result<(OffsetDateTime, std::collections::HashSet<String>)>> + Send;
+    ) -> impl Future<Output = Result<std::collections::HashSet<String>>> + Send;
     /// Locks up to `limit` dispatched operations whose lease expired.
     fn pick_expired(
         &mut self,
