@@ -49,7 +49,8 @@ const GROUP_JOIN_DELAY_MS: i32 = 200;
 /// 2026-12-07 were such 44 s stops).
 const SESSION_TIMEOUT_MS: &str = "6000";
 
-/// A sixth of [`SESSION_TIMEOUT_MS`], as librdkafka's defaults have it (3 s of 45 s).
+/// A sixth of [`SESSION_TIMEOUT_MS`]: a member misses several heartbeats before the
+/// coordinator drops it.
 const HEARTBEAT_INTERVAL_MS: &str = "1000";
 
 /// Sets the mock cluster's `group.initial.rebalance.delay.ms`, which the Rust binding does

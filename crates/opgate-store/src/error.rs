@@ -60,6 +60,12 @@ pub enum Error {
     /// A row the store wrote cannot be read back (a bug or manual edit).
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// An ingest's claim would overtake an earlier write of the same entity that another
+    /// transaction committed, waiting, while this one waited on a row or lock: the
+    /// transaction is retried as a claim race is ([`Self::is_claim_race`]), and the retry
+    /// sees that write and leaves the new one waiting behind it.
+    #[error("a claim at ingest would overtake a write waiting on entity {0}")]
+    ClaimOvertakes(String),
 }
 
 /// The unique index that keeps one write in flight per entity (both dialects).
@@ -102,7 +108,7 @@ impl Error {
     /// For a claim, a hit on the per-entity index is a race between two claimers of one
     /// entity's operations: retrying finds the entity held and claims something else.
     pub fn is_claim_race(&self) -> bool {
-        self.is_transient() || self.is_entity_busy()
+        self.is_transient() || self.is_entity_busy() || matches!(self, Self::ClaimOvertakes(_))
     }
 
     /// A person's command that would make a second write hold an entity (a compensation

@@ -84,6 +84,7 @@ conformance!(
     each_inbox_row_holds_its_proposals_final_decision,
     an_ingest_claims_what_it_created_as_a_claim_would,
     racing_ingest_claims_never_put_two_writes_of_one_entity_in_flight,
+    a_duplicate_of_an_operation_claimed_in_its_batch_is_answered_after_the_claim,
     only_commits_that_leave_work_claimable_wake_the_dispatcher,
 );
 
@@ -2586,6 +2587,113 @@ async fn an_ingest_claims_what_it_created_as_a_claim_would(h: Harness) {
         outcomes[0].operation.as_ref().map(|o| o.status),
         Some(Status::PendingDispatch)
     );
+}
+
+/// A claimed operation's duplicate later in the same batch: the operation is written
+/// claimed, then the duplicate's answer follows its results (accepted 1, dispatched 2,
+/// the dedupe hit 3), and the claim handed to the dispatcher is the operation as the batch
+/// left it.
+async fn a_duplicate_of_an_operation_claimed_in_its_batch_is_answered_after_the_claim(h: Harness) {
+    let l = h.ledger.as_ref();
+    let (outcomes, claims) = l
+        .ingest_and_claim(
+            &[pay("k1", "B", "5"), pay("k2", "B", "5")],
+            Duration::from_secs(5),
+            &claim_request("d", LONG, 5),
+        )
+        .await
+        .expect("ingest and claim");
+    assert_eq!(claims.len(), 1);
+    assert_eq!(outcomes[0].decision, IngestDecision::Accepted);
+    assert_eq!(
+        outcomes[1].decision,
+        IngestDecision::Deduplicated {
+            reason: "key".into()
+        }
+    );
+    let id = claims[0].operation.operation_id;
+    let results: Vec<(i64, String)> = l
+        .results(id)
+        .await
+        .expect("results")
+        .into_iter()
+        .map(|r| (r.seq, r.status))
+        .collect();
+    assert_eq!(
+        results,
+        [
+            (1, "pending_dispatch".to_owned()),
+            (2, "dispatched".to_owned()),
+            (3, "dispatched".to_owned())
+        ]
+    );
+    let stored = l.operation(id).await.expect("read").expect("operation");
+    assert_eq!(stored.result_seq, 3);
+    assert_eq!(
+        claims[0].operation, stored,
+        "the claim as the batch left it"
+    );
+    assert_eq!(outcomes[0].operation.as_ref(), Some(&stored));
+    assert_eq!(outcomes[1].operation.as_ref(), Some(&stored));
+}
+
+/// A claim at ingest reads which entities are busy before it waits on other transactions'
+/// rows: a write of the same entity that another transaction commits meanwhile, waiting,
+/// must not be overtaken (the one-write-in-flight index does not see a waiting write).
+/// Here the claiming ingest waits for its event's inbox row, which another transaction
+/// holds (as a second ingest of the same record would, during a rebalance), while an
+/// earlier write of its entity commits without a claim. PostgreSQL only: SQLite runs one
+/// writer at a time, so nothing commits while a transaction waits.
+#[cfg(feature = "integration")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_an_ingest_claim_never_overtakes_a_write_committed_while_it_waited() {
+    let h = support::postgres().await;
+    let Raw::Postgres(pool) = &h.raw else {
+        panic!("a PostgreSQL harness");
+    };
+    let w2 = pay("w2", "E", "2");
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query(
+        "INSERT INTO inbox (source_id, decision, received_at) VALUES ($1, 'accepted', now())",
+    )
+    .bind(w2.inbox_key())
+    .execute(&mut *holder)
+    .await
+    .expect("hold w2's inbox row");
+    let ledger = h.ledger.clone();
+    let claiming = tokio::spawn(async move {
+        ledger
+            .ingest_and_claim(&[w2], Duration::from_secs(30), &claim_request("d", LONG, 5))
+            .await
+    });
+    // Until the claiming ingest waits for the row (it has read E as free by then).
+    let waiting = "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                   AND query LIKE 'INSERT INTO inbox%'";
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.count(waiting).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ingest never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // An earlier write of E commits, waiting for a dispatcher's claim.
+    h.ledger.ingest(&[pay("w1", "E", "1")]).await.expect("w1");
+    holder.rollback().await.expect("release w2's row");
+    let (outcomes, claims) = claiming.await.expect("task").expect("ingest and claim");
+    assert!(claims.is_empty(), "w2 overtook w1: {claims:?}");
+    assert_eq!(
+        outcomes[0].operation.as_ref().map(|o| o.status),
+        Some(Status::PendingDispatch)
+    );
+    // The dispatcher takes w1 first; w2 waits behind it.
+    let next = h
+        .ledger
+        .claim(&claim_request("d2", LONG, 10))
+        .await
+        .expect("claim");
+    let taken: Vec<&str> = next.iter().map(|c| c.operation.event_id.as_str()).collect();
+    assert_eq!(taken, ["w1"]);
 }
 
 /// Two ingests creating writes of one entity at once: at most one of them claims, the

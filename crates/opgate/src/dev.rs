@@ -126,7 +126,10 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         Some(kafka) => {
             kafka.brokers.clone_from(&bootstrap);
             kafka.topic_prefix.clear();
-            kafka.client.extend(broker.kafka_config().client);
+            // The embedded broker's client settings, where the configuration sets none.
+            for (key, value) in broker.kafka_config().client {
+                kafka.client.entry(key).or_insert(value);
+            }
         }
         None => config.kafka = Some(broker.kafka_config()),
     }

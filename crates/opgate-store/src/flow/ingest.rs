@@ -58,8 +58,8 @@ fn created_waiting(outcomes: &[IngestOutcome]) -> impl Iterator<Item = Uuid> + '
 /// write waits, is in flight or is held on it: [`Tx::busy_entities`]) — within the
 /// request's limit and room ([`fit_to_room`]). The ledger is read before the operations
 /// are written, so each is written once, as claimed; a write on the same entity that
-/// another transaction commits meanwhile is held off by the one-write-in-flight index, as
-/// for any claim.
+/// another transaction commits meanwhile is held off by the one-write-in-flight index (one
+/// in flight or held) or by [`overtakes_nothing`] (one waiting).
 fn plan_claims(
     candidates: &[Operation],
     request: &ClaimRequest,
@@ -74,6 +74,33 @@ fn plan_claims(
         .filter(|(_, op)| !op.side_effect_class.is_write() || busy.insert(op.entity_key.clone()))
         .map(|(c, op)| (c, op.tool.clone()));
     fit_to_room(heads, &request.tool_room, request.limit)
+}
+
+/// The check after an ingest's claimed writes are inserted: the busy entities were read
+/// before this transaction waited on other transactions' rows and locks (an event id or a
+/// key another transaction was writing, a guard's entity lock), and a write of a claimed
+/// write's entity that one of them committed meanwhile, waiting, comes first: the claim
+/// would overtake it (one in flight or held would have hit the one-write-in-flight index
+/// instead). This batch's own queue rows are not written yet, so a waiting write found on
+/// those entities is another's: [`Error::ClaimOvertakes`], and the transaction is retried.
+async fn overtakes_nothing<T: Tx>(
+    tx: &mut T,
+    candidates: &[Operation],
+    created: &[bool],
+    leases: &[Option<(Operation, NewAttempt<'_>, NewEvent<'_>)>],
+) -> Result<()> {
+    let claimed_writes: Vec<&str> = candidates
+        .iter()
+        .zip(created.iter().zip(leases))
+        .filter(|(op, (created, lease))| {
+            **created && lease.is_some() && op.side_effect_class.is_write()
+        })
+        .map(|(op, _)| op.entity_key.as_str())
+        .collect();
+    if !claimed_writes.is_empty() && tx.waiting_on_entities(&claimed_writes).await? {
+        return Err(Error::ClaimOvertakes(claimed_writes.join(", ")));
+    }
+    Ok(())
 }
 
 /// Ingests `batch` at `now`; with a claim request (and the entities busy at `now`),
@@ -142,6 +169,7 @@ async fn ingest_at<T: Tx>(
     // `dispatched` results); each keeps its state before the claim for the first.
     let mut leases: Vec<Option<(Operation, NewAttempt<'_>, NewEvent<'_>)>> =
         (0..candidates.len()).map(|_| None).collect();
+    let claiming = claim.is_some();
     if let Some((request, busy)) = claim {
         for c in plan_claims(&candidates, request, busy) {
             let before = candidates[c].clone();
@@ -152,6 +180,9 @@ async fn ingest_at<T: Tx>(
         }
     }
     let created = tx.insert_operations_batch(&candidates).await?;
+    if claiming {
+        overtakes_nothing(tx, &candidates, &created, &leases).await?;
+    }
 
     let mut events = Vec::new();
     let mut attempts = Vec::new();
@@ -353,11 +384,14 @@ async fn ingest_at<T: Tx>(
         now,
     )
     .await?;
-    // A dedupe outcome reports the operation as it stands after the whole batch.
-    for outcome in &mut outcomes {
-        if let Some(op) = &mut outcome.operation
-            && let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone()))
-        {
+    // A dedupe outcome, and a claim, report the operation as it stands after the whole
+    // batch (a duplicate later in the batch adds a result to a claimed operation).
+    let operations = outcomes
+        .iter_mut()
+        .filter_map(|o| o.operation.as_mut())
+        .chain(claims.iter_mut().map(|c| &mut c.operation));
+    for op in operations {
+        if let Some(latest) = hit.get(&(op.namespace.clone(), op.idempotency_key.clone())) {
             *op = latest.clone();
         }
     }
