@@ -64,7 +64,7 @@ pub enum Error {
     /// transaction committed, waiting, while this one waited on a row or lock: the
     /// transaction is retried as a claim race is ([`Self::is_claim_race`]), and the retry
     /// sees that write and leaves the new one waiting behind it.
-    #[error("a claim at ingest would overtake a write waiting on entity {0}")]
+    #[error("a claim at ingest would overtake a write waiting on an entity ({0})")]
     ClaimOvertakes(String),
 }
 

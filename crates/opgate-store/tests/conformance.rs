@@ -2660,17 +2660,25 @@ async fn postgres_an_ingest_claim_never_overtakes_a_write_committed_while_it_wai
     .execute(&mut *holder)
     .await
     .expect("hold w2's inbox row");
+    let holder_xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut *holder)
+        .await
+        .expect("the holder's transaction id");
     let ledger = h.ledger.clone();
     let claiming = tokio::spawn(async move {
         ledger
             .ingest_and_claim(&[w2], Duration::from_secs(30), &claim_request("d", LONG, 5))
             .await
     });
-    // Until the claiming ingest waits for the row (it has read E as free by then).
-    let waiting = "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-                   AND query LIKE 'INSERT INTO inbox%'";
+    // Until the claiming ingest waits for the holder's transaction (for w2's row; it has
+    // read E as free by then). Only a wait on this very transaction counts, not another
+    // test's lock wait.
+    let waiting = format!(
+        "SELECT COUNT(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid' \
+         AND transactionid::text = '{holder_xid}'"
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while h.count(waiting).await == 0 {
+    while h.count(&waiting).await == 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "the ingest never waited"

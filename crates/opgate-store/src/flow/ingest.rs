@@ -98,7 +98,12 @@ async fn overtakes_nothing<T: Tx>(
         .map(|(op, _)| op.entity_key.as_str())
         .collect();
     if !claimed_writes.is_empty() && tx.waiting_on_entities(&claimed_writes).await? {
-        return Err(Error::ClaimOvertakes(claimed_writes.join(", ")));
+        // Named by count and the first: a batch may claim hundreds of entities.
+        return Err(Error::ClaimOvertakes(format!(
+            "{} of {} claimed",
+            claimed_writes[0],
+            claimed_writes.len()
+        )));
     }
     Ok(())
 }
